@@ -1,0 +1,30 @@
+"""tfmp: mixed-precision, data-parallel Keras training, with the usual failures caught.
+
+Where things live:
+    tfmp.precision   policies, `auto` from hardware, loss scaling
+    tfmp.distribute  tf.distribute strategies by name, CPU splitting, seeds
+    tfmp.data        dataset registry and input pipelines
+    tfmp.models      encoders and classifiers
+    tfmp.optimizers  optimizers and learning-rate schedules
+    tfmp.callbacks   checkpoints/resume, telemetry, TensorBoard
+    tfmp.config      the config schema and its flags
+    tfmp.training    `run(config, workdir)`, used by the CLI `python -m tfmp.train`
+
+Submodules import on first use, so `import tfmp` alone does not start TensorFlow.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_SUBMODULES = ("callbacks", "config", "data", "distribute", "models", "optimizers", "precision", "training")
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"tfmp.{name}")
+    raise AttributeError(f"module 'tfmp' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_SUBMODULES))

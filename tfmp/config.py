@@ -1,0 +1,177 @@
+"""The one config schema of a tfmp run: valid names, defaults, validation, absl flags.
+
+This module imports no TensorFlow, so the CLI can refuse bad input (one line, exit
+code 2) before TensorFlow starts and prints its own start-up lines. For that reason
+the vocabularies of valid names live here, and the modules that implement them
+(`precision`, `distribute`, `data`, `models`) import them from here.
+
+Defaults live in `Config` and nowhere else: `define_flags()` turns each field into an
+absl flag with the same name, default and help, so a flagfile (`--flagfile=...`)
+changes only what differs from the defaults and later command-line flags override
+the flagfile. The resolved config is written to `WORKDIR/config.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from absl import flags
+
+TASKS = ("supervised",)
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+PRECISION_ALIASES = {"fp32": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
+PRECISION_NAMES = PRECISIONS + tuple(PRECISION_ALIASES) + ("auto",)
+STRATEGIES = ("auto", "off", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
+DATASETS = ("digits", "folder:PATH", "tfds:NAME", "synthetic")
+MODELS = ("small_cnn", "resnet18_cifar", "resnet50")
+OPTIMIZERS = ("adamw", "sgd")
+# Fields that say *where* things are, not *what* is trained: they may change between
+# a run and its resumption without making the two incompatible.
+LOCATION_FIELDS = ("data_dir", "tpu")
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the CLI prints the message as one line and exits 2."""
+
+
+def canonical_precision(name: str) -> str:
+    """Maps a precision name or alias to its canonical spelling (`auto` stays `auto`).
+
+    Raises:
+        UsageError: not a known precision; the message lists the valid ones.
+    """
+    key = str(name).strip().lower()
+    key = PRECISION_ALIASES.get(key, key)
+    if key not in PRECISIONS + ("auto",):
+        raise UsageError(f"unknown precision {name!r}; valid: {', '.join(PRECISION_NAMES)}")
+    return key
+
+
+def _field(default, help_text: str):
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything that defines a run. Field names are also the CLI flag names."""
+
+    task: str = _field("supervised", f"What to run: {', '.join(TASKS)}.")
+    dataset: str = _field("digits", f"Data set: {', '.join(DATASETS)}.")
+    data_dir: str = _field("", "tensorflow-datasets data directory (tfds:NAME only).")
+    model: str = _field("small_cnn", f"Encoder: {', '.join(MODELS)}.")
+    image_size: int = _field(0, "Resize images to this side length; 0 keeps the data set's own size.")
+    precision: str = _field("auto", f"Precision: {', '.join(PRECISION_NAMES)}.")
+    strategy: str = _field("auto", f"Distribution strategy: {', '.join(STRATEGIES)}.")
+    num_cpu_devices: int = _field(0, "Split the CPU into this many logical devices (0: leave it whole).")
+    tpu: str = _field("", "TPU for --strategy=tpu: 'local' on a TPU VM, empty on Colab, else a name or grpc:// address.")
+    global_batch_size: int = _field(128, "Examples per step, summed over all replicas.")
+    epochs: int = _field(15, "Training epochs.")
+    learning_rate: float = _field(3e-3, "Peak learning rate (reached after warmup, then cosine decay).")
+    warmup_epochs: float = _field(1.0, "Linear learning-rate warmup, in epochs.")
+    optimizer: str = _field("adamw", f"Optimizer: {', '.join(OPTIMIZERS)}.")
+    weight_decay: float = _field(1e-4, "Decoupled weight decay.")
+    bn_momentum: float = _field(0.9, "BatchNorm momentum (0.9 suits small data sets; Keras' default is 0.99).")
+    loss_scale: str = _field("dynamic", "mixed_float16 loss scale: 'dynamic' or a fixed number.")
+    initial_loss_scale: float = _field(2.0**15, "Starting dynamic loss scale (mixed_float16).")
+    loss_scale_growth_steps: int = _field(2000, "Finite steps before the dynamic loss scale doubles.")
+    seed: int = _field(0, "Seed for initialisation, shuffling and augmentation.")
+    keep_checkpoints: int = _field(3, "How many checkpoints to keep under WORKDIR/checkpoints.")
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def differences(self, other: "Config") -> list[str]:
+        """Fields (other than locations) whose values differ, as `name: mine != theirs`."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [f"{key}: {theirs[key]!r} -> {mine[key]!r}" for key in mine if key not in LOCATION_FIELDS and mine[key] != theirs[key]]
+
+
+def _choice(name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise UsageError(f"unknown {name} {value!r}; valid: {', '.join(choices)}")
+
+
+def validate(config: Config) -> Config:
+    """Checks a config without touching TensorFlow devices or the disk; returns it with
+    the precision name made canonical.
+
+    Raises:
+        UsageError: naming the bad value and the valid choices.
+    """
+    _choice("task", config.task, TASKS)
+    _choice("strategy", config.strategy, STRATEGIES)
+    _choice("model", config.model, MODELS)
+    _choice("optimizer", config.optimizer, OPTIMIZERS)
+    precision = canonical_precision(config.precision)
+    dataset = config.dataset
+    if dataset.startswith("folder:"):
+        if not os.path.isdir(dataset[len("folder:"):]):
+            raise UsageError(f"dataset {dataset}: no such directory")
+    elif dataset not in ("digits", "synthetic") and not (dataset.startswith("tfds:") and len(dataset) > 5):
+        raise UsageError(f"unknown dataset {dataset!r}; valid: {', '.join(DATASETS)}")
+    positive = {"global_batch_size": config.global_batch_size, "epochs": config.epochs, "keep_checkpoints": config.keep_checkpoints,
+                "loss_scale_growth_steps": config.loss_scale_growth_steps}
+    for name, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value}")
+    for name, value in {"image_size": config.image_size, "num_cpu_devices": config.num_cpu_devices, "warmup_epochs": config.warmup_epochs,
+                        "weight_decay": config.weight_decay}.items():
+        if value < 0:
+            raise UsageError(f"{name} must be >= 0, got {value}")
+    if config.learning_rate <= 0:
+        raise UsageError(f"learning_rate must be > 0, got {config.learning_rate}")
+    if not 0 <= config.bn_momentum < 1:
+        raise UsageError(f"bn_momentum must be in [0, 1), got {config.bn_momentum}")
+    if config.loss_scale != "dynamic":
+        try:
+            if float(config.loss_scale) <= 0:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"loss_scale must be 'dynamic' or a positive number, got {config.loss_scale!r}") from None
+    if config.num_cpu_devices and config.global_batch_size % config.num_cpu_devices:
+        raise UsageError(
+            f"global_batch_size {config.global_batch_size} is not divisible by num_cpu_devices {config.num_cpu_devices}; "
+            f"use a multiple of {config.num_cpu_devices}"
+        )
+    return config.replace(precision=precision)
+
+
+def load_json(path: str) -> Config:
+    """Reads a config written by `save_json`; unknown keys are refused."""
+    with open(path, encoding="utf-8") as file:
+        values = json.load(file)
+    known = {field.name for field in dataclasses.fields(Config)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise UsageError(f"{path}: unknown config keys {', '.join(unknown)}")
+    return Config(**values)
+
+
+def save_json(config: Config, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(config.to_dict(), file, indent=2, sort_keys=True)
+        file.write("\n")
+
+
+# ------------------------------------------------------------------------------- flags
+
+_DEFINERS = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float, bool: flags.DEFINE_bool}
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Defines one absl flag per `Config` field (same name, default and help)."""
+    types = {"str": str, "int": int, "float": float, "bool": bool}
+    for field in dataclasses.fields(Config):
+        if field.name in flag_values:
+            continue
+        _DEFINERS[types[field.type]](field.name, field.default, field.metadata["help"], flag_values=flag_values)
+
+
+def from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Config:
+    """The `Config` given by parsed flags."""
+    return Config(**{field.name: flag_values[field.name].value for field in dataclasses.fields(Config)})

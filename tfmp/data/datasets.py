@@ -1,0 +1,272 @@
+"""Dataset registry: `digits`, `folder:PATH`, `tfds:NAME`, `synthetic`.
+
+Every source yields an `ImageData`: a train and a test `Split`, each able to produce
+an unbatched `tf.data.Dataset` of `(image, label)` pairs, images float32 in [0, 1]
+with shape `image_shape`, labels int32. The labels of each split are also held as a
+NumPy array, so that label subsets (e.g. 5% of the labels for a linear probe) can be
+drawn by index, seeded and class balanced, whatever the source.
+
+* `digits` — scikit-learn's bundled 8x8 digits (1,797 images, no download): the
+  offline default. Split 80/20, stratified, with `DIGITS_SPLIT_SEED` (fixed, so the
+  test set never changes with `--seed`): 1,437 train / 360 test.
+* `folder:PATH` — the user's images, one subfolder per class; `PATH/train` and
+  `PATH/test` if present, otherwise a seeded stratified 80/20 split of `PATH`.
+* `tfds:NAME` — tensorflow-datasets (`--data_dir` for prepared data; never downloads
+  at run time). Splits `train` and `test`; STL-10's `unlabelled` split is exposed as
+  `ImageData.unlabeled`.
+* `synthetic` — seeded uniform-noise images with random labels, for benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from tfmp.config import DATASETS
+DIGITS_SPLIT_SEED = 0
+TEST_FRACTION = 0.2
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+SYNTHETIC_SIZES = {"train": 2048, "test": 512}
+# Decoded images up to this many bytes are cached in memory after the first epoch.
+CACHE_LIMIT_BYTES = 2 << 30
+
+
+@dataclasses.dataclass
+class Split:
+    """One split of a data set.
+
+    Attributes:
+        labels: int labels of all examples, in the order `make` yields them
+            (-1 where a split is unlabeled).
+        make: returns the unbatched `(image, label)` dataset of the examples at
+            `indices` (all when None), in index order.
+        cacheable: whether the decoded split fits in memory (see `CACHE_LIMIT_BYTES`).
+    """
+
+    labels: np.ndarray
+    make: Callable[[np.ndarray | None], tf.data.Dataset]
+    cacheable: bool = True
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def dataset(self, indices: np.ndarray | None = None) -> tf.data.Dataset:
+        return self.make(indices)
+
+
+@dataclasses.dataclass
+class ImageData:
+    """A loaded data set: splits plus what a model needs to know about it."""
+
+    name: str
+    train: Split
+    test: Split
+    num_classes: int
+    image_shape: tuple[int, int, int]
+    unlabeled: Split | None = None
+
+
+def _resize(images: np.ndarray, image_size: int) -> np.ndarray:
+    if not image_size or images.shape[1] == image_size:
+        return images
+    return tf.image.resize(images, (image_size, image_size), method="bilinear").numpy()
+
+
+def _array_split(images: np.ndarray, labels: np.ndarray) -> Split:
+    images = images.astype(np.float32)
+    labels = labels.astype(np.int32)
+
+    def make(indices):
+        if indices is None:
+            return tf.data.Dataset.from_tensor_slices((images, labels))
+        return tf.data.Dataset.from_tensor_slices((images[indices], labels[indices]))
+
+    return Split(labels=labels, make=make)
+
+
+def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded stratified train/test indices (sorted), the same on every machine."""
+    from sklearn.model_selection import train_test_split
+
+    indices = np.arange(len(labels))
+    train, test = train_test_split(indices, test_size=test_fraction, random_state=seed, stratify=labels)
+    return np.sort(train), np.sort(test)
+
+
+def load_digits(image_size: int = 0) -> ImageData:
+    """scikit-learn's 8x8 digits, scaled to [0, 1], optionally resized to `image_size`."""
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    bunch = sklearn_digits()
+    images = (bunch.images / 16.0).astype(np.float32)[..., None]
+    images = _resize(images, image_size)
+    train, test = stratified_split(bunch.target, TEST_FRACTION, DIGITS_SPLIT_SEED)
+    return ImageData(
+        name="digits",
+        train=_array_split(images[train], bunch.target[train]),
+        test=_array_split(images[test], bunch.target[test]),
+        num_classes=10,
+        image_shape=tuple(images.shape[1:]),
+    )
+
+
+def load_synthetic(image_size: int = 0, seed: int = 0, num_classes: int = 10) -> ImageData:
+    """Uniform-noise RGB images with random labels (for benchmarks; nothing to learn)."""
+    size = image_size or 32
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for split, count in SYNTHETIC_SIZES.items():
+        images = rng.random((count, size, size, 3), dtype=np.float32)
+        splits[split] = _array_split(images, rng.integers(0, num_classes, count))
+    return ImageData("synthetic", splits["train"], splits["test"], num_classes, (size, size, 3))
+
+
+def _list_images(root: str, classes: list[str]) -> tuple[list[str], list[int]]:
+    paths, labels = [], []
+    for label, class_name in enumerate(classes):
+        class_dir = os.path.join(root, class_name)
+        if not os.path.isdir(class_dir):
+            continue
+        for file_name in sorted(os.listdir(class_dir)):
+            if file_name.lower().endswith(IMAGE_EXTENSIONS):
+                paths.append(os.path.join(class_dir, file_name))
+                labels.append(label)
+    return paths, labels
+
+
+def _file_split(paths: list[str], labels: list[int], image_size: int, channels: int) -> Split:
+    paths_array = np.asarray(paths)
+    labels_array = np.asarray(labels, dtype=np.int32)
+
+    def decode(path, label):
+        image = tf.io.decode_image(tf.io.read_file(path), channels=channels, expand_animations=False)
+        image = tf.image.resize(tf.image.convert_image_dtype(image, tf.float32), (image_size, image_size))
+        image.set_shape((image_size, image_size, channels))
+        return image, label
+
+    def make(indices):
+        selected = slice(None) if indices is None else indices
+        dataset = tf.data.Dataset.from_tensor_slices((paths_array[selected], labels_array[selected]))
+        return dataset.map(decode, num_parallel_calls=tf.data.AUTOTUNE)
+
+    cacheable = len(paths) * image_size * image_size * channels * 4 < CACHE_LIMIT_BYTES
+    return Split(labels=labels_array, make=make, cacheable=cacheable)
+
+
+def load_folder(path: str, image_size: int = 0, seed: int = 0) -> ImageData:
+    """Images in class subfolders of `path` (or of `path/train` and `path/test`).
+
+    Raises:
+        ValueError: the folder does not exist or holds no images in class subfolders.
+    """
+    if not os.path.isdir(path):
+        raise ValueError(f"dataset folder:{path}: no such directory; expected PATH/<class>/*.png|jpg or PATH/train and PATH/test")
+    has_splits = os.path.isdir(os.path.join(path, "train")) and os.path.isdir(os.path.join(path, "test"))
+    train_root = os.path.join(path, "train") if has_splits else path
+    classes = sorted(name for name in os.listdir(train_root) if os.path.isdir(os.path.join(train_root, name)))
+    paths, labels = _list_images(train_root, classes)
+    if not paths:
+        raise ValueError(f"dataset folder:{path}: no images ({', '.join(IMAGE_EXTENSIONS)}) in class subfolders of {train_root}")
+
+    first = tf.io.decode_image(tf.io.read_file(paths[0]), expand_animations=False)
+    channels = 1 if first.shape[-1] == 1 else 3
+    image_size = image_size or int(first.shape[0])
+
+    if has_splits:
+        test_paths, test_labels = _list_images(os.path.join(path, "test"), classes)
+    else:
+        train_index, test_index = stratified_split(np.asarray(labels), TEST_FRACTION, seed)
+        test_paths, test_labels = [paths[i] for i in test_index], [labels[i] for i in test_index]
+        paths, labels = [paths[i] for i in train_index], [labels[i] for i in train_index]
+    return ImageData(
+        name=f"folder:{path}",
+        train=_file_split(paths, labels, image_size, channels),
+        test=_file_split(test_paths, test_labels, image_size, channels),
+        num_classes=len(classes),
+        image_shape=(image_size, image_size, channels),
+    )
+
+
+def _tfds_split(builder, split: str, image_size: int, channels: int, labeled: bool) -> Split:
+    def to_pair(image, label):
+        image = tf.image.convert_image_dtype(image, tf.float32)
+        if image_size and image.shape[0] != image_size:
+            image = tf.image.resize(image, (image_size, image_size))
+        return image, tf.cast(label, tf.int32) if labeled else tf.constant(-1, tf.int32)
+
+    def raw():
+        # shuffle_files=False: the order must match `labels` for index subsets.
+        return builder.as_dataset(split=split, as_supervised=True, shuffle_files=False)
+
+    labels = np.fromiter((int(label) for _, label in raw().as_numpy_iterator()), dtype=np.int32)
+    if not labeled:
+        labels = np.full_like(labels, -1)
+
+    def make(indices):
+        dataset = raw()
+        if indices is not None:
+            keep = np.zeros(len(labels), dtype=bool)
+            keep[indices] = True
+            keep_table = tf.constant(keep)
+            dataset = dataset.enumerate().filter(lambda i, pair: keep_table[i]).map(lambda i, pair: pair)
+        return dataset.map(to_pair, num_parallel_calls=tf.data.AUTOTUNE)
+
+    side = image_size or builder.info.features["image"].shape[0]
+    cacheable = len(labels) * side * side * channels * 4 < CACHE_LIMIT_BYTES
+    return Split(labels=labels, make=make, cacheable=cacheable)
+
+
+def load_tfds(name: str, data_dir: str | None = None, image_size: int = 0) -> ImageData:
+    """A tensorflow-datasets image classification set that is already prepared.
+
+    Raises:
+        ValueError: unknown name, or the data set is not prepared in `data_dir`.
+    """
+    import tensorflow_datasets as tfds
+
+    try:
+        builder = tfds.builder(name, data_dir=data_dir or None)
+        splits = builder.info.splits
+        if "train" not in splits or "test" not in splits:
+            raise ValueError(f"needs 'train' and 'test' splits, has {', '.join(splits) or 'none (not prepared?)'}")
+        image_shape = builder.info.features["image"].shape
+        num_classes = builder.info.features["label"].num_classes
+        channels = int(image_shape[-1])
+        data = ImageData(
+            name=f"tfds:{name}",
+            train=_tfds_split(builder, "train", image_size, channels, labeled=True),
+            test=_tfds_split(builder, "test", image_size, channels, labeled=True),
+            num_classes=num_classes,
+            image_shape=(image_size or image_shape[0], image_size or image_shape[1], channels),
+        )
+        if "unlabelled" in splits:
+            data.unlabeled = _tfds_split(builder, "unlabelled", image_size, channels, labeled=False)
+        return data
+    except (tfds.core.registered.DatasetNotFoundError, AssertionError, KeyError, ValueError, tf.errors.NotFoundError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"dataset tfds:{name}: {first_line}; prepare it with `tfds build {name} --data_dir=DIR` "
+            "and pass --data_dir=DIR (tfmp never downloads at run time)"
+        ) from None
+
+
+def load(name: str, *, data_dir: str | None = None, image_size: int = 0, seed: int = 0) -> ImageData:
+    """Loads a data set by its tfmp name (see the module docstring).
+
+    Raises:
+        ValueError: unknown name, or a source that cannot be read; the message says
+            what was wrong and lists the valid names.
+    """
+    if name == "digits":
+        return load_digits(image_size)
+    if name == "synthetic":
+        return load_synthetic(image_size, seed)
+    if name.startswith("folder:") and len(name) > len("folder:"):
+        return load_folder(name[len("folder:"):], image_size, seed)
+    if name.startswith("tfds:") and len(name) > len("tfds:"):
+        return load_tfds(name[len("tfds:"):], data_dir, image_size)
+    raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(DATASETS)}")

@@ -1,0 +1,44 @@
+"""Input pipelines: shuffling, batching, caching and prefetching of a `Split`.
+
+Pipelines are batched at the *global* batch size. Under a `tf.distribute` strategy,
+Keras' `fit()` distributes the dataset itself (each replica gets
+`global_batch_size / num_replicas` examples of every batch), so the same pipeline
+serves one device, N mirrored replicas and a TPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tfmp.data.datasets import Split
+
+SHUFFLE_BUFFER = 10_000
+
+
+def classification_pipeline(
+    split: Split,
+    batch_size: int,
+    *,
+    training: bool,
+    seed: int = 0,
+    indices: np.ndarray | None = None,
+) -> tf.data.Dataset:
+    """Batched `(image, label)` pairs from `split` (or its examples at `indices`).
+
+    Args:
+        split: the split to read.
+        batch_size: global batch size.
+        training: shuffle (seeded, reshuffled every epoch) and drop the last partial
+            batch, so every step has the same shape on every replica (TPUs need it).
+        seed: shuffle seed.
+        indices: optional subset of the split.
+    """
+    dataset = split.dataset(indices)
+    if split.cacheable:
+        dataset = dataset.cache()
+    if training:
+        size = len(split) if indices is None else len(indices)
+        dataset = dataset.shuffle(min(size, SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
+    dataset = dataset.batch(batch_size, drop_remainder=training)
+    return dataset.prefetch(tf.data.AUTOTUNE)

@@ -1,0 +1,150 @@
+"""Distribution: `tf.distribute` strategies by name, CPU splitting, batch checks, seeds.
+
+tfmp never runs a home-made cluster runtime: every name maps to TensorFlow's own strategy.
+
+| name                    | strategy                                                        |
+|-------------------------|-----------------------------------------------------------------|
+| `off`                   | TF's default strategy (no distribution)                         |
+| `one_device`            | `OneDeviceStrategy` on the first GPU, else the CPU              |
+| `mirrored`              | `MirroredStrategy` over all GPUs, else over the logical CPUs    |
+| `multi_worker_mirrored` | `MultiWorkerMirroredStrategy` (cluster from `TF_CONFIG`)         |
+| `tpu`                   | `TPUStrategy` via `TPUClusterResolver` (TPU VM, Colab, named)   |
+| `auto`                  | `tpu` if a TPU is present, `mirrored` if >1 device, else `off`  |
+
+`num_cpu_devices=N` splits the one physical CPU into N logical devices before TF
+initialises its runtime, so `mirrored` runs N replicas on a CPU: that is how tfmp
+shows, and tests, multi-replica behaviour on machines without accelerators.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+import tensorflow as tf
+
+from tfmp import precision
+from tfmp.config import STRATEGIES
+
+logger = logging.getLogger(__name__)
+
+
+def split_cpu(num_devices: int) -> None:
+    """Splits the physical CPU into `num_devices` logical devices.
+
+    Must run before TensorFlow initialises its devices (before the first op or
+    strategy); afterwards only a request that matches the existing split succeeds.
+
+    Raises:
+        ValueError: `num_devices` < 1.
+        RuntimeError: TF's devices are already initialised with a different count.
+    """
+    if num_devices < 1:
+        raise ValueError(f"num_cpu_devices must be >= 1, got {num_devices}")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
+    except RuntimeError:
+        existing = len(tf.config.list_logical_devices("CPU"))
+        if existing != num_devices:
+            raise RuntimeError(
+                f"cannot split the CPU into {num_devices} devices: TensorFlow already initialised {existing}; "
+                "split before creating any tensor or strategy"
+            ) from None
+
+
+def _tpu_strategy(tpu: str | None) -> tf.distribute.TPUStrategy:
+    """Connects to a TPU and returns a `TPUStrategy` (untested here: no TPU on the dev machines).
+
+    Args:
+        tpu: "local" on a TPU VM; "" or None to auto-detect (Colab, GKE);
+            otherwise a TPU name or a `grpc://host:port` address.
+    """
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu or "")
+        if tpu != "local":
+            tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"strategy tpu: no TPU found for --tpu={tpu or ''!r} ({detail}); "
+            "use --tpu=local on a TPU VM, leave it empty on Colab, or pick another --strategy"
+        ) from None
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu: str | None = None) -> tf.distribute.Strategy:
+    """Returns the `tf.distribute.Strategy` called `name`.
+
+    Args:
+        name: one of `STRATEGIES`.
+        num_cpu_devices: split the CPU into this many logical devices first
+            (only meaningful for `mirrored` / `auto` on a machine without GPUs).
+        tpu: TPU address for `tpu` (see `_tpu_strategy`).
+
+    Raises:
+        ValueError: unknown name, or a TPU asked for but absent.
+    """
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+    if num_cpu_devices:
+        split_cpu(num_cpu_devices)
+    gpus = tf.config.list_logical_devices("GPU")
+    cpus = tf.config.list_logical_devices("CPU")
+
+    if name == "auto":
+        if precision.tpu_present():
+            name = "tpu"
+        elif len(gpus) > 1 or (not gpus and len(cpus) > 1):
+            name = "mirrored"
+        else:
+            name = "off"
+
+    if name == "off":
+        return tf.distribute.get_strategy()
+    if name == "one_device":
+        return tf.distribute.OneDeviceStrategy((gpus or cpus)[0].name)
+    if name == "mirrored":
+        if gpus:
+            return tf.distribute.MirroredStrategy([device.name for device in gpus])
+        # NCCL is GPU-only; on logical CPUs reduce through one device.
+        return tf.distribute.MirroredStrategy([device.name for device in cpus], cross_device_ops=tf.distribute.ReductionToOneDevice())
+    if name == "multi_worker_mirrored":
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    return _tpu_strategy(tpu)
+
+
+def strategy_name(strategy: tf.distribute.Strategy) -> str:
+    """The tfmp name of a strategy object (`off` for TF's default strategy)."""
+    kinds = {
+        tf.distribute.MirroredStrategy: "mirrored",
+        tf.distribute.MultiWorkerMirroredStrategy: "multi_worker_mirrored",
+        tf.distribute.TPUStrategy: "tpu",
+        tf.distribute.OneDeviceStrategy: "one_device",
+    }
+    for kind, kind_name in kinds.items():
+        if isinstance(strategy, kind):
+            return kind_name
+    return "off"
+
+
+def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
+    """The per-replica batch for a global batch.
+
+    Raises:
+        ValueError: the global batch is not positive or not divisible by the replicas.
+    """
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size}")
+    if global_batch_size % num_replicas:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} is not divisible by {num_replicas} replicas; "
+            f"use a multiple of {num_replicas}"
+        )
+    return global_batch_size // num_replicas
+
+
+def set_seed(seed: int) -> None:
+    """Seeds Python, NumPy and TensorFlow (Keras' `set_random_seed`) for a reproducible run."""
+    keras.utils.set_random_seed(seed)

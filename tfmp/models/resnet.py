@@ -1,0 +1,65 @@
+"""ResNets: `resnet18_cifar` (3x3 stem, no max-pool, for 32x32) and `resnet50` (ImageNet-style).
+
+Written here rather than taken from `keras.applications` because tfmp needs control
+that the applications do not give: synchronized BatchNorm (SimCLR across replicas),
+BatchNorm momentum for small data sets, and block boundaries for activation
+checkpointing. `resnet18_cifar` is the same network as the PyTorch peer benchmark
+(`shared/bench/torch_simclr_peer.py`), so the two can be timed side by side.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from tfmp.models.layers import NormSettings, batch_norm, conv, conv_bn_relu
+
+
+def basic_block(x, filters: int, strides: int, norm: NormSettings, name: str):
+    """Two 3x3 convolutions with an identity (or 1x1 projection) shortcut."""
+    shortcut = x
+    if strides != 1 or x.shape[-1] != filters:
+        shortcut = conv(filters, 1, strides, name=f"{name}_proj_conv")(x)
+        shortcut = batch_norm(norm, name=f"{name}_proj_bn")(shortcut)
+    x = conv_bn_relu(x, filters, 3, norm, strides, name=f"{name}_a")
+    x = conv(filters, 3, name=f"{name}_b_conv")(x)
+    x = batch_norm(norm, name=f"{name}_b_bn")(x)
+    x = keras.layers.Add(name=f"{name}_add")([x, shortcut])
+    return keras.layers.ReLU(name=f"{name}_out")(x)
+
+
+def bottleneck_block(x, filters: int, strides: int, norm: NormSettings, name: str):
+    """1x1 reduce, 3x3 (strided), 1x1 expand to 4x filters; last BN starts at zero."""
+    shortcut = x
+    if strides != 1 or x.shape[-1] != 4 * filters:
+        shortcut = conv(4 * filters, 1, strides, name=f"{name}_proj_conv")(x)
+        shortcut = batch_norm(norm, name=f"{name}_proj_bn")(shortcut)
+    x = conv_bn_relu(x, filters, 1, norm, name=f"{name}_a")
+    x = conv_bn_relu(x, filters, 3, norm, strides, name=f"{name}_b")
+    x = conv(4 * filters, 1, name=f"{name}_c_conv")(x)
+    x = batch_norm(norm, name=f"{name}_c_bn", zero_init=True)(x)
+    x = keras.layers.Add(name=f"{name}_add")([x, shortcut])
+    return keras.layers.ReLU(name=f"{name}_out")(x)
+
+
+def _resnet(inputs, x, block, blocks_per_stage, norm: NormSettings, name: str) -> keras.Model:
+    for stage, (filters, num_blocks) in enumerate(zip((64, 128, 256, 512), blocks_per_stage)):
+        for index in range(num_blocks):
+            strides = 2 if stage > 0 and index == 0 else 1
+            x = block(x, filters, strides, norm, name=f"stage{stage}_block{index}")
+    features = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inputs, features, name=name)
+
+
+def resnet18_cifar(input_shape: tuple[int, int, int], norm: NormSettings = NormSettings()) -> keras.Model:
+    """ResNet-18 for small images: 3x3 stride-1 stem, no max-pool, 512 features."""
+    inputs = keras.Input(input_shape, name="images")
+    x = conv_bn_relu(inputs, 64, 3, norm, name="stem")
+    return _resnet(inputs, x, basic_block, (2, 2, 2, 2), norm, "resnet18_cifar")
+
+
+def resnet50(input_shape: tuple[int, int, int], norm: NormSettings = NormSettings()) -> keras.Model:
+    """ResNet-50 (v1.5: stride in the 3x3 conv): 7x7 stride-2 stem, max-pool, 2048 features."""
+    inputs = keras.Input(input_shape, name="images")
+    x = conv_bn_relu(inputs, 64, 7, norm, strides=2, name="stem")
+    x = keras.layers.MaxPooling2D(3, strides=2, padding="same", name="stem_pool")(x)
+    return _resnet(inputs, x, bottleneck_block, (3, 4, 6, 3), norm, "resnet50")

@@ -1,0 +1,269 @@
+"""Precision: policy names, `auto` resolution from the hardware, and loss scaling.
+
+Everything tfmp knows about numeric precision lives here:
+
+* the three policies tfmp supports (`float32`, `mixed_float16`, `mixed_bfloat16`),
+  their short aliases, and `auto`, which picks one from the hardware and says why;
+* `set_policy`, which sets the Keras global dtype policy;
+* `wrap_optimizer` and `LossScaleOptimizer`, Keras' loss-scale optimizer with a floor
+  (`min_scale`), hysteresis and a fixed-scale mode, so that a run of overflows cannot
+  drive the scale to zero;
+* `current_loss_scale` / `skipped_steps`, readable also under `MirroredStrategy`.
+
+Under a mixed policy Keras keeps variables in float32 and computes in the low
+precision; tfmp's models add a float32 output layer so logits and losses stay float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+
+import keras
+import tensorflow as tf
+
+from tfmp.config import PRECISION_NAMES, PRECISIONS, canonical_precision as canonical_name
+
+FLOAT32, MIXED_FLOAT16, MIXED_BFLOAT16 = PRECISIONS
+AUTO = "auto"
+VALID_NAMES = PRECISION_NAMES
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- hardware
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags from /proc/cpuinfo (empty where that file does not exist)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def tpu_present() -> bool:
+    """Whether this process can see a TPU (TPU VM device files, or Colab / GKE TPU variables)."""
+    if os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR"):
+        return True
+    # TPU VMs expose the chips as /dev/accel* (v2-v4) or /dev/vfio/* (v5+).
+    return any(os.path.exists(f"/dev/accel{i}") for i in range(8)) or bool(
+        os.path.isdir("/dev/vfio") and [n for n in os.listdir("/dev/vfio") if n.isdigit()]
+    )
+
+
+def gpu_compute_capabilities() -> list[tuple[int, int]]:
+    """The compute capability (major, minor) of each visible GPU."""
+    capabilities = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        capabilities.append(tuple(details.get("compute_capability", (0, 0))))
+    return capabilities
+
+
+def resolve(name: str = AUTO) -> tuple[str, str]:
+    """Resolves a precision name for this machine.
+
+    Args:
+        name: a precision name or alias, or `auto`.
+
+    Returns:
+        `(policy_name, reason)`: the canonical policy and a one-line reason.
+
+    Raises:
+        ValueError: unknown name, or a choice this hardware cannot run
+            (bf16 on a GPU below compute capability 8.0).
+    """
+    name = canonical_name(name)
+    gpus = gpu_compute_capabilities()
+    if name == AUTO:
+        if tpu_present():
+            return MIXED_BFLOAT16, "TPU found: TPUs compute natively in bfloat16"
+        if gpus:
+            lowest = min(gpus)
+            if lowest >= (8, 0):
+                return MIXED_BFLOAT16, f"GPU compute capability {lowest[0]}.{lowest[1]} >= 8.0 has bf16 tensor cores"
+            if lowest >= (7, 0):
+                return MIXED_FLOAT16, f"GPU compute capability {lowest[0]}.{lowest[1]} has fp16 tensor cores but no bf16"
+            return FLOAT32, f"GPU compute capability {lowest[0]}.{lowest[1]} < 7.0 has no fast low-precision units"
+        flags = cpu_flags()
+        for flag in ("avx512_bf16", "amx_bf16"):
+            if flag in flags:
+                return MIXED_BFLOAT16, f"CPU has {flag}: oneDNN runs bf16 matmuls/convs natively"
+        return FLOAT32, "CPU without AVX512_BF16 or AMX: no fast low-precision units (fp16 is never chosen on a CPU)"
+
+    if name == MIXED_BFLOAT16 and gpus and min(gpus) < (8, 0):
+        major, minor = min(gpus)
+        raise ValueError(
+            f"precision mixed_bfloat16 needs a GPU with compute capability >= 8.0, found {major}.{minor}; "
+            "valid here: mixed_float16, float32"
+        )
+    if name == MIXED_FLOAT16 and not gpus and not tpu_present():
+        warnings.warn(
+            "mixed_float16 on a CPU is slower than float32 (no fp16 arithmetic units); "
+            "use mixed_bfloat16 where the CPU has AVX512_BF16/AMX, else float32",
+            stacklevel=2,
+        )
+        return name, "explicit choice (slow on CPU)"
+    return name, "explicit choice"
+
+
+def set_policy(name: str = AUTO) -> str:
+    """Sets the Keras global dtype policy and returns the resolved policy name.
+
+    `auto` logs the reason for its choice in one line.
+    """
+    policy_name, reason = resolve(name)
+    keras.mixed_precision.set_global_policy(policy_name)
+    logger.info("precision: %s (%s)", policy_name, reason)
+    return policy_name
+
+
+def global_policy_name() -> str:
+    """The name of the Keras global dtype policy now in force."""
+    return keras.mixed_precision.global_policy().name
+
+
+# ----------------------------------------------------------------------- loss scaling
+
+
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Keras' dynamic `LossScaleOptimizer`, with a floor, hysteresis and a fixed mode.
+
+    Keras halves the scale on every overflow with no lower bound, so a stretch of
+    overflowing steps drives it toward zero and every later gradient underflows.
+    This subclass (as DeepSpeed does) halves only after `hysteresis` consecutive
+    overflowing steps, never below `min_scale`, and counts the skipped steps. Steps
+    with non-finite gradients are still skipped, through Keras' own code path, which
+    handles `merge_call` under `tf.distribute`.
+
+    Args:
+        inner_optimizer: the optimizer to wrap.
+        initial_scale: the starting loss scale.
+        dynamic_growth_steps: finite steps after which the scale doubles.
+        min_scale: the scale never goes below this.
+        hysteresis: consecutive overflowing steps before the scale halves.
+        dynamic: False keeps the scale fixed at `initial_scale` (steps with
+            non-finite gradients are still skipped).
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        initial_scale=2.0**15,
+        dynamic_growth_steps=2000,
+        min_scale=1.0,
+        hysteresis=2,
+        dynamic=True,
+        name=None,
+        **kwargs,
+    ):
+        if min_scale <= 0 or initial_scale < min_scale:
+            raise ValueError(f"need 0 < min_scale <= initial_scale, got min_scale={min_scale}, initial_scale={initial_scale}")
+        if hysteresis < 1 or dynamic_growth_steps < 1:
+            raise ValueError(f"hysteresis and dynamic_growth_steps must be >= 1, got {hysteresis}, {dynamic_growth_steps}")
+        super().__init__(inner_optimizer, initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)
+        self.min_scale = float(min_scale)
+        self.hysteresis = int(hysteresis)
+        self.dynamic = bool(dynamic)
+
+    def build(self, var_list):
+        super().build(var_list)
+        # Created after Keras' own variables so `_variables` keeps their order first.
+        with keras.name_scope(self.name, caller=self):
+            self.overflow_streak = self.add_variable(shape=(), dtype="int", initializer="zeros", aggregation="none", name="overflow_streak")
+            self.skipped_steps = self.add_variable(shape=(), dtype="int", initializer="zeros", aggregation="none", name="skipped_steps")
+
+    def _stateful_handle_finite_grads(self, grads, trainable_variables):
+        self.overflow_streak.assign(0)
+        if self.dynamic:
+            super()._stateful_handle_finite_grads(grads, trainable_variables)
+            return
+        tvs = trainable_variables or self._trainable_variables
+        unscaled = [g if g is None or self._overwrite_variable_with_gradient(v) else g / self.dynamic_scale for g, v in zip(grads, tvs)]
+        self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
+
+    def _stateful_handle_non_finite_grads(self):
+        self.skipped_steps.assign_add(1)
+        self.step_counter.assign(0)
+        if not self.dynamic:
+            return
+        self.overflow_streak.assign_add(1)
+        halve = tf.greater_equal(self.overflow_streak, self.hysteresis)
+        halved = tf.maximum(self.dynamic_scale * 0.5, self.min_scale)
+        self.dynamic_scale.assign(tf.where(halve, halved, self.dynamic_scale))
+        self.overflow_streak.assign(tf.where(halve, tf.zeros_like(self.overflow_streak), self.overflow_streak))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(min_scale=self.min_scale, hysteresis=self.hysteresis, dynamic=self.dynamic)
+        return config
+
+
+def wrap_optimizer(
+    optimizer: keras.optimizers.Optimizer,
+    *,
+    loss_scale: str | float = "dynamic",
+    initial_scale: float = 2.0**15,
+    growth_steps: int = 2000,
+    min_scale: float = 1.0,
+    hysteresis: int = 2,
+    policy: str | None = None,
+) -> keras.optimizers.Optimizer:
+    """Wraps `optimizer` for loss scaling when the policy is `mixed_float16`.
+
+    bfloat16 has float32's exponent range and needs no loss scaling, so under any
+    other policy the optimizer is returned unchanged.
+
+    Args:
+        optimizer: a Keras optimizer.
+        loss_scale: "dynamic", or a number for a fixed scale.
+        initial_scale: starting scale of the dynamic mode.
+        growth_steps: finite steps after which the dynamic scale doubles.
+        min_scale: floor of the dynamic scale.
+        hysteresis: consecutive overflows before the dynamic scale halves.
+        policy: the policy to wrap for; the Keras global policy by default.
+
+    Returns:
+        A tfmp `LossScaleOptimizer` under `mixed_float16`, else `optimizer` itself.
+    """
+    policy = policy or global_policy_name()
+    if policy != MIXED_FLOAT16 or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer
+    if loss_scale == "dynamic":
+        return LossScaleOptimizer(optimizer, initial_scale=initial_scale, dynamic_growth_steps=growth_steps, min_scale=min_scale, hysteresis=hysteresis)
+    try:
+        fixed = float(loss_scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}") from None
+    if fixed <= 0:
+        raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}")
+    return LossScaleOptimizer(optimizer, initial_scale=fixed, min_scale=fixed, dynamic=False)
+
+
+def _read(variable) -> float:
+    # `float(MirroredVariable)` raises TypeError; `.numpy()` reads the primary copy.
+    return float(variable.numpy())
+
+
+def current_loss_scale(optimizer) -> float | None:
+    """The optimizer's current loss scale, or None where it does not scale the loss."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    return _read(optimizer.dynamic_scale) if optimizer.built else float(optimizer.initial_scale)
+
+
+def skipped_steps(optimizer) -> int | None:
+    """Steps skipped for non-finite gradients, or None where the optimizer does not count them."""
+    counter = getattr(optimizer, "skipped_steps", None)
+    if counter is None or not getattr(optimizer, "built", False):
+        return None
+    return int(_read(counter))
+

@@ -1,0 +1,82 @@
+"""`python -m tfmp.train --flagfile=experiments/X.cfg --workdir=runs/a` — the command line.
+
+Intentionally thin: parse flags into a `Config` and call `tfmp.training.run`.
+Exit codes: 0 done (or already finished); 2 usage or input error, as one line on
+stderr with nothing written; 1 training failed, with a diagnosis.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+# Before TensorFlow loads: keep its C++ INFO/WARNING chatter out of the user's terminal.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import flags  # noqa: E402
+
+from tfmp import config as tfmp_config  # noqa: E402
+from tfmp import workdir as run_directory  # noqa: E402
+
+FLAGS = flags.FlagValues()
+tfmp_config.define_flags(FLAGS)
+flags.DEFINE_string("workdir", "", "Run directory: config.json, metrics.json, checkpoints/, tensorboard/.", flag_values=FLAGS)
+
+PROGRAM = "tfmp.train"
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"{PROGRAM}: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str]) -> int:
+    """Runs the CLI on `argv` (program name first) and returns the exit code."""
+    if any(arg in ("-h", "--help", "--helpfull") for arg in argv[1:]):
+        print(f"usage: python -m {PROGRAM} [--flagfile=FILE] [--name=value ...]\n\n{FLAGS.get_help()}")
+        return 0
+    try:
+        leftover = FLAGS(argv)
+    except flags.Error as error:
+        message = str(error).splitlines()[0].removeprefix("ERROR::").strip()
+        return _fail(f"{message} (see --help for the flags)", 2)
+    if len(leftover) > 1:
+        return _fail(f"unexpected arguments {' '.join(leftover[1:])}; flags take the form --name=value", 2)
+
+    workdir = FLAGS.workdir
+    config = tfmp_config.from_flags(FLAGS)
+    FLAGS.unparse_flags()  # so main() can be called again in one process (tests)
+    # Input checks that need no TensorFlow run first: its start-up lines would
+    # otherwise bury the one-line error.
+    try:
+        config = tfmp_config.validate(config)
+        finished = run_directory.finished_metrics(config, workdir)
+    except tfmp_config.UsageError as error:
+        return _fail(str(error), 2)
+    if finished is not None:
+        print(f"already finished: {os.path.join(workdir, run_directory.METRICS_FILE)} (nothing to do)")
+        return 0
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("tfmp").setLevel(logging.INFO)
+    from tfmp import training  # imports TensorFlow
+
+    try:
+        metrics = training.run(config, workdir)
+    except tfmp_config.UsageError as error:
+        return _fail(str(error), 2)
+    except training.TrainingFailed as error:
+        return _fail(f"training failed: {error}", 1)
+    summary = {key: metrics[key] for key in ("precision", "strategy", "num_replicas", "train_loss", "eval_accuracy") if key in metrics}
+    print(f"done: {os.path.join(workdir, 'metrics.json')} {summary}")
+    return 0
+
+
+def run_cli() -> None:
+    """Console-script entry point (`tfmp-train`)."""
+    sys.exit(main(sys.argv))
+
+
+if __name__ == "__main__":
+    run_cli()

@@ -1,0 +1,159 @@
+"""`run(config, workdir)`: one training run, from a config to `WORKDIR/metrics.json`.
+
+The order of work is chosen so that bad input costs nothing: every check that can
+fail on user input (names, the workdir's previous config, hardware, data) runs
+before the workdir is created or written. A rerun of a finished run returns its
+metrics without writing; a rerun of an unfinished one resumes from its newest
+checkpoint; a rerun with another config is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+
+import keras
+import tensorflow as tf
+
+import tfmp
+from tfmp import callbacks as tfmp_callbacks
+from tfmp import data as tfmp_data
+from tfmp import distribute, models, optimizers, precision, workdir as run_directory
+from tfmp.config import Config, UsageError, validate
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingFailed(RuntimeError):
+    """Training ran but did not succeed (e.g. the loss became non-finite); CLI exit code 1."""
+
+
+def _verbosity() -> int:
+    # A progress bar on a terminal; one line per epoch in logs and CI.
+    return 1 if sys.stdout.isatty() else 2
+
+
+def train_supervised(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str,
+                     extra_callbacks=()) -> dict:
+    """Trains encoder + linear classifier on the labeled train split; evaluates on test."""
+    steps_per_epoch = len(data.train) // config.global_batch_size
+    if steps_per_epoch < 1:
+        raise UsageError(f"global_batch_size {config.global_batch_size} exceeds the {len(data.train)} training examples of {data.name}")
+    norm = models.NormSettings(momentum=config.bn_momentum)
+    with strategy.scope():
+        encoder = models.build_encoder(config.model, data.image_shape, norm)
+        model = models.build_classifier(encoder, data.num_classes)
+        model.compile(
+            optimizer=optimizers.make_optimizer(config, steps_per_epoch),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        )
+    train = tfmp_data.classification_pipeline(data.train, config.global_batch_size, training=True, seed=config.seed)
+    test = tfmp_data.classification_pipeline(data.test, config.global_batch_size, training=False)
+
+    callbacks = tfmp_callbacks.default_callbacks(workdir, max_to_keep=config.keep_checkpoints)
+    checkpointing = next(c for c in callbacks if isinstance(c, tfmp_callbacks.Checkpointing))
+    throughput = tfmp_callbacks.Throughput(config.global_batch_size)
+    history = model.fit(train, epochs=config.epochs, validation_data=test, callbacks=[throughput, *callbacks, *extra_callbacks], shuffle=False,
+                        verbose=_verbosity())
+
+    losses = history.history.get("loss", [])
+    if losses and not math.isfinite(losses[-1]):
+        raise TrainingFailed(
+            f"training loss became {losses[-1]} in epoch {checkpointing.restored_epoch + len(losses)} under {config.precision}; "
+            "lower --learning_rate, or use mixed_bfloat16/float32 if fp16 overflowed. "
+            f"The last good checkpoint is in {checkpointing.directory}"
+        )
+    evaluation = model.evaluate(test, return_dict=True, verbose=0)
+    train_loss = losses[-1] if losses else None
+    if train_loss is None:  # resumed after the last epoch's checkpoint: nothing left to train
+        train_loss = model.evaluate(train, return_dict=True, verbose=0)["loss"]
+    metrics = {
+        "train_loss": float(train_loss),
+        "eval_accuracy": float(evaluation["accuracy"]),
+        "eval_loss": float(evaluation["loss"]),
+        "steps": int(model.optimizer.iterations.numpy()),
+        "resumed_from_epoch": checkpointing.restored_epoch,
+        "examples_per_second": throughput.examples_per_second,
+    }
+    scale = precision.current_loss_scale(model.optimizer)
+    if scale is not None:
+        metrics["loss_scale"] = scale
+        metrics["skipped_steps"] = precision.skipped_steps(model.optimizer)
+    return metrics
+
+
+TASKS = {"supervised": train_supervised}
+
+
+def prepare(config: Config) -> tuple[Config, str, tf.distribute.Strategy]:
+    """Sets the seed and precision policy and creates the strategy; user errors become UsageError.
+
+    Args:
+        config: a config that passed `validate`.
+
+    Returns:
+        `(config, policy_name, strategy)`.
+    """
+    distribute.set_seed(config.seed)
+    try:
+        policy = precision.set_policy(config.precision)
+        strategy = distribute.get_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices or None, tpu=config.tpu or None)
+        distribute.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
+    except (ValueError, RuntimeError) as error:
+        raise UsageError(str(error)) from None
+    return config, policy, strategy
+
+
+def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
+    """Runs (or resumes, or recognises as finished) the training run `config` in `workdir`.
+
+    Args:
+        config: the run's config.
+        workdir: where config.json, metrics.json, checkpoints/ and tensorboard/ go.
+        extra_callbacks: Keras callbacks added after tfmp's own.
+
+    Returns:
+        The run's metrics (also written to `WORKDIR/metrics.json`).
+
+    Raises:
+        UsageError: bad config, data or hardware for it; nothing was written.
+        TrainingFailed: the run did not train successfully.
+    """
+    started = time.perf_counter()
+    config = validate(config)
+    finished = run_directory.finished_metrics(config, workdir)
+    if finished is not None:
+        print(f"already finished: {os.path.join(workdir, 'metrics.json')} (nothing to do)")
+        return finished
+
+    config, policy, strategy = prepare(config)
+    try:
+        data = tfmp_data.load(config.dataset, data_dir=config.data_dir or None, image_size=config.image_size, seed=config.seed)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+    run_directory.write_config(config, workdir)
+    task_metrics = TASKS[config.task](config, data, strategy, workdir, extra_callbacks)
+
+    metrics = {
+        "task": config.task,
+        "dataset": data.name,
+        "model": config.model,
+        "precision": policy,
+        "strategy": distribute.strategy_name(strategy),
+        "num_replicas": strategy.num_replicas_in_sync,
+        "global_batch_size": config.global_batch_size,
+        "per_replica_batch_size": config.global_batch_size // strategy.num_replicas_in_sync,
+        "epochs": config.epochs,
+        "wall_seconds": round(time.perf_counter() - started, 3),
+        "tfmp_version": tfmp.__version__,
+        "tensorflow_version": tf.__version__,
+        "keras_version": keras.__version__,
+        **task_metrics,
+    }
+    run_directory.write_metrics(metrics, workdir)
+    return metrics
