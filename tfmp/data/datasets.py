@@ -12,8 +12,7 @@ drawn by index, seeded and class balanced, whatever the source.
 * `folder:PATH` — the user's images, one subfolder per class; `PATH/train` and
   `PATH/test` if present, otherwise a seeded stratified 80/20 split of `PATH`.
 * `tfds:NAME` — tensorflow-datasets (`--data_dir` for prepared data; never downloads
-  at run time). Splits `train` and `test`; STL-10's `unlabelled` split is exposed as
-  `ImageData.unlabeled`.
+  at run time). Splits `train` and `test`.
 * `synthetic` — seeded uniform-noise images with random labels, for benchmarks.
 """
 
@@ -230,22 +229,16 @@ def load_tfds(name: str, data_dir: str | None = None, image_size: int = 0) -> Im
 
     try:
         builder = tfds.builder(name, data_dir=data_dir or None)
-        splits = builder.info.splits
-        if "train" not in splits or "test" not in splits:
-            raise ValueError(f"needs 'train' and 'test' splits, has {', '.join(splits) or 'none (not prepared?)'}")
         image_shape = builder.info.features["image"].shape
         num_classes = builder.info.features["label"].num_classes
         channels = int(image_shape[-1])
-        data = ImageData(
+        return ImageData(
             name=f"tfds:{name}",
             train=_tfds_split(builder, "train", image_size, channels, labeled=True),
             test=_tfds_split(builder, "test", image_size, channels, labeled=True),
             num_classes=num_classes,
             image_shape=(image_size or image_shape[0], image_size or image_shape[1], channels),
         )
-        if "unlabelled" in splits:
-            data.unlabeled = _tfds_split(builder, "unlabelled", image_size, channels, labeled=False)
-        return data
     except (tfds.core.registered.DatasetNotFoundError, AssertionError, KeyError, ValueError, tf.errors.NotFoundError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(

@@ -1,0 +1,109 @@
+"""tfmp.data: the registry's sources and the input pipeline."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from tfmp import data
+
+
+def _images_and_labels(split, indices=None):
+    pairs = list(split.dataset(indices).as_numpy_iterator())
+    return np.stack([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+
+
+def test_digits_fixed_stratified_split():
+    digits = data.load("digits")
+    assert (len(digits.train), len(digits.test)) == (1437, 360)
+    assert digits.image_shape == (8, 8, 1) and digits.num_classes == 10
+    images, labels = _images_and_labels(digits.test)
+    assert images.dtype == np.float32 and 0.0 <= images.min() and images.max() <= 1.0
+    np.testing.assert_array_equal(labels, digits.test.labels)
+    # Stratified: every class is in the test split in about its share (~36 each).
+    assert np.bincount(labels).min() >= 30
+    # Fixed: the --seed of a run does not move the test set.
+    np.testing.assert_array_equal(data.load("digits", seed=7).test.labels, digits.test.labels)
+
+
+def test_digits_resized():
+    digits = data.load("digits", image_size=16)
+    assert digits.image_shape == (16, 16, 1)
+    assert _images_and_labels(digits.train, np.arange(3))[0].shape == (3, 16, 16, 1)
+
+
+def _write_pngs(root, classes, per_class, size=12, channels=3):
+    rng = np.random.default_rng(0)
+    for class_name in classes:
+        (root / class_name).mkdir(parents=True)
+        for index in range(per_class):
+            pixels = rng.integers(0, 255, (size, size, channels), dtype=np.uint8)
+            tf.io.write_file(str(root / class_name / f"{index}.png"), tf.io.encode_png(pixels))
+
+
+def test_folder_with_train_and_test(tmp_path):
+    _write_pngs(tmp_path / "train", ["cat", "dog"], 5)
+    _write_pngs(tmp_path / "test", ["cat", "dog"], 2)
+    loaded = data.load(f"folder:{tmp_path}", image_size=16)
+    assert (len(loaded.train), len(loaded.test), loaded.num_classes) == (10, 4, 2)
+    assert loaded.image_shape == (16, 16, 3)
+    images, labels = _images_and_labels(loaded.test)
+    assert images.shape == (4, 16, 16, 3) and list(labels) == [0, 0, 1, 1]
+
+
+def test_folder_without_splits_is_split_by_seed(tmp_path):
+    _write_pngs(tmp_path, ["a", "b"], 10, channels=1)
+    loaded = data.load(f"folder:{tmp_path}")
+    assert (len(loaded.train), len(loaded.test)) == (16, 4)
+    assert loaded.image_shape == (12, 12, 1)
+    assert sorted(np.bincount(loaded.test.labels)) == [2, 2]
+
+
+def test_folder_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="no such directory"):
+        data.load(f"folder:{tmp_path}/missing")
+    (tmp_path / "empty_class").mkdir()
+    with pytest.raises(ValueError, match="no images"):
+        data.load(f"folder:{tmp_path}")
+
+
+def test_tfds_through_mock_data():
+    with tfds.testing.mock_data(num_examples=12):
+        loaded = data.load("tfds:cifar10")
+        assert loaded.image_shape == (32, 32, 3) and loaded.num_classes == 10
+        subset = np.array([1, 5, 7])
+        images, labels = _images_and_labels(loaded.train, subset)
+        assert images.shape == (3, 32, 32, 3) and images.dtype == np.float32
+        np.testing.assert_array_equal(labels, loaded.train.labels[subset])
+
+
+def test_tfds_unknown_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="dataset tfds:no_such_set_xyz: .*tfmp never downloads"):
+        data.load("tfds:no_such_set_xyz")
+
+
+def test_unknown_dataset_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown dataset 'mnist'; valid: digits, folder:PATH, tfds:NAME, synthetic"):
+        data.load("mnist")
+
+
+def test_synthetic_is_seeded():
+    first, second = data.load("synthetic", seed=3), data.load("synthetic", seed=3)
+    assert first.image_shape == (32, 32, 3)
+    np.testing.assert_array_equal(_images_and_labels(first.train, np.arange(4))[0],
+                                  _images_and_labels(second.train, np.arange(4))[0])
+
+
+def test_training_pipeline_shuffles_by_seed_and_keeps_full_batches():
+    digits = data.load("digits")
+
+    def first_epoch_labels(seed):
+        pipeline = data.classification_pipeline(digits.train, 100, training=True, seed=seed)
+        batches = [labels for _, labels in pipeline.as_numpy_iterator()]
+        assert all(len(batch) == 100 for batch in batches) and len(batches) == 14
+        return np.concatenate(batches)
+
+    np.testing.assert_array_equal(first_epoch_labels(1), first_epoch_labels(1))
+    assert not np.array_equal(first_epoch_labels(1), first_epoch_labels(2))
+    evaluation = data.classification_pipeline(digits.test, 100, training=False)
+    assert sum(len(labels) for _, labels in evaluation.as_numpy_iterator()) == 360

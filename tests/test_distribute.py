@@ -1,0 +1,82 @@
+"""tfmp.distribute: strategies by name, batch checks, and mirrored == single device."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmp import distribute, models
+from conftest import NUM_TEST_DEVICES
+
+
+def test_unknown_strategy_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown strategy 'horovod'; valid: auto, off, one_device, mirrored"):
+        distribute.get_strategy("horovod")
+
+
+@pytest.mark.parametrize("name, kind, replicas", [
+    ("off", "off", 1),
+    ("one_device", "one_device", 1),
+    ("mirrored", "mirrored", NUM_TEST_DEVICES),
+    ("auto", "mirrored", NUM_TEST_DEVICES),  # >1 logical CPU device and no GPU
+])
+def test_strategies_by_name(name, kind, replicas):
+    strategy = distribute.get_strategy(name)
+    assert distribute.strategy_name(strategy) == kind
+    assert strategy.num_replicas_in_sync == replicas
+
+
+def test_tpu_without_a_tpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="strategy tpu: no TPU found for --tpu='local'"):
+        distribute.get_strategy("tpu", tpu="local")
+
+
+def test_splitting_again_with_another_count_is_refused():
+    tf.constant(0)  # TF is initialised
+    with pytest.raises(RuntimeError, match=f"already initialised {NUM_TEST_DEVICES}"):
+        distribute.split_cpu(NUM_TEST_DEVICES + 1)
+    distribute.split_cpu(NUM_TEST_DEVICES)  # the same count is fine
+
+
+@pytest.mark.parametrize("global_batch, replicas, message", [(0, 1, "positive"), (-8, 2, "positive"), (9, 2, "not divisible by 2")])
+def test_bad_global_batch(global_batch, replicas, message):
+    with pytest.raises(ValueError, match=message):
+        distribute.per_replica_batch_size(global_batch, replicas)
+
+
+def test_per_replica_batch():
+    assert distribute.per_replica_batch_size(64, 2) == 32
+
+
+def _train(strategy, initial_weights, images, labels, steps):
+    """Trains small_cnn (synchronized BatchNorm) for `steps` SGD steps on fixed global batches."""
+    with strategy.scope():
+        encoder = models.build_encoder("small_cnn", (8, 8, 1), models.NormSettings(synchronized=True))
+        model = models.build_classifier(encoder, 10)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if initial_weights is not None:
+        model.set_weights(initial_weights)
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(32)
+    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
+    return model.get_weights()
+
+
+def test_mirrored_on_two_cpu_devices_matches_one_device():
+    """Same init, same global batches, same steps: the weights agree (float32, atol 1e-5)."""
+    rng = np.random.default_rng(0)
+    images = rng.random((128, 8, 8, 1), dtype=np.float32)
+    labels = rng.integers(0, 10, 128).astype(np.int32)
+    keras.utils.set_random_seed(0)
+    with tf.distribute.get_strategy().scope():
+        initial = models.build_classifier(models.build_encoder("small_cnn", (8, 8, 1)), 10).get_weights()
+
+    single = _train(distribute.get_strategy("off"), initial, images, labels, steps=4)
+    mirrored_strategy = distribute.get_strategy("mirrored")
+    assert mirrored_strategy.num_replicas_in_sync == 2
+    mirrored = _train(mirrored_strategy, initial, images, labels, steps=4)
+
+    moved = max(np.abs(a - b).max() for a, b in zip(initial, single))
+    assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
+    for one, two in zip(single, mirrored):
+        np.testing.assert_allclose(two, one, atol=1e-5, rtol=1e-4)
