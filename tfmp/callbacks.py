@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 import os
@@ -122,14 +123,30 @@ class LossScaleMonitor(keras.callbacks.Callback):
             logs["skipped_steps"] = skipped
 
 
-def default_callbacks(workdir: str, *, max_to_keep: int = 3) -> list[keras.callbacks.Callback]:
-    """Checkpoints with resume, stop on NaN, loss-scale telemetry, TensorBoard — in that order.
+HISTORY_FILE = "history.csv"
 
-    The telemetry comes before TensorBoard so its values are in the logs TensorBoard writes.
+
+def logged_history(workdir: str) -> list[dict]:
+    """The per-epoch logs `default_callbacks` appended to WORKDIR/history.csv, across resumptions."""
+    path = os.path.join(workdir, HISTORY_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8", newline="") as file:
+        return [{key: float(value) for key, value in row.items() if value not in ("", "NA", None)} for row in csv.DictReader(file)]
+
+
+def default_callbacks(workdir: str, *, max_to_keep: int = 3, monitors=()) -> list[keras.callbacks.Callback]:
+    """Checkpoints with resume, stop on NaN, telemetry, then the loggers (history.csv, TensorBoard).
+
+    Telemetry (loss scale, and `monitors` such as a kNN monitor) comes before the
+    loggers so its values are in the logs they write.
     """
+    os.makedirs(workdir, exist_ok=True)
     return [
         Checkpointing(os.path.join(workdir, "checkpoints"), max_to_keep=max_to_keep),
         keras.callbacks.TerminateOnNaN(),
         LossScaleMonitor(),
+        *monitors,
+        keras.callbacks.CSVLogger(os.path.join(workdir, HISTORY_FILE), append=True),
         keras.callbacks.TensorBoard(os.path.join(workdir, "tensorboard"), write_graph=False),
     ]

@@ -19,14 +19,15 @@ import os
 
 from absl import flags
 
-TASKS = ("supervised",)
+TASKS = ("supervised", "simclr", "linear_eval", "finetune")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 PRECISION_ALIASES = {"fp32": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
 PRECISION_NAMES = PRECISIONS + tuple(PRECISION_ALIASES) + ("auto",)
 STRATEGIES = ("auto", "off", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
 DATASETS = ("digits", "folder:PATH", "tfds:NAME", "synthetic")
 MODELS = ("small_cnn", "resnet18_cifar", "resnet50")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "lars")
+LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
 # Fields that say *where* things are, not *what* is trained: they may change between
 # a run and its resumption without making the two incompatible.
 LOCATION_FIELDS = ("data_dir", "tpu")
@@ -60,6 +61,8 @@ class Config:
     task: str = _field("supervised", f"What to run: {', '.join(TASKS)}.")
     dataset: str = _field("digits", f"Data set: {', '.join(DATASETS)}.")
     data_dir: str = _field("", "tensorflow-datasets data directory (tfds:NAME only).")
+    unlabeled_split: str = _field("", "tfds split of extra unlabeled images to pretrain on (e.g. 'unlabelled' for tfds:stl10).")
+    encoder: str = _field("", "Pretrained encoder (.keras) for --task=linear_eval and --task=finetune.")
     model: str = _field("small_cnn", f"Encoder: {', '.join(MODELS)}.")
     image_size: int = _field(0, "Resize images to this side length; 0 keeps the data set's own size.")
     precision: str = _field("auto", f"Precision: {', '.join(PRECISION_NAMES)}.")
@@ -68,7 +71,9 @@ class Config:
     tpu: str = _field("", "TPU for --strategy=tpu: 'local' on a TPU VM, empty on Colab, else a name or grpc:// address.")
     global_batch_size: int = _field(128, "Examples per step, summed over all replicas.")
     epochs: int = _field(15, "Training epochs.")
-    learning_rate: float = _field(3e-3, "Peak learning rate (reached after warmup, then cosine decay).")
+    learning_rate: float = _field(3e-3, "Base learning rate (peak after warmup, then cosine decay; see --learning_rate_scaling).")
+    learning_rate_scaling: str = _field("none", f"Scale the learning rate with the global batch B: {', '.join(LEARNING_RATE_SCALINGS)} "
+                                                "(linear: x B/256, sqrt: x sqrt(B)).")
     warmup_epochs: float = _field(1.0, "Linear learning-rate warmup, in epochs.")
     optimizer: str = _field("adamw", f"Optimizer: {', '.join(OPTIMIZERS)}.")
     weight_decay: float = _field(1e-4, "Decoupled weight decay.")
@@ -77,6 +82,21 @@ class Config:
     initial_loss_scale: float = _field(2.0**15, "Starting dynamic loss scale (mixed_float16).")
     loss_scale_growth_steps: int = _field(2000, "Finite steps before the dynamic loss scale doubles.")
     seed: int = _field(0, "Seed for initialisation, shuffling and augmentation.")
+    # Self-supervised pretraining (--task=simclr) and its evaluation.
+    temperature: float = _field(0.2, "NT-Xent temperature.")
+    projection_dim: int = _field(128, "Output size of the SimCLR projection head.")
+    crop_min_scale: float = _field(0.08, "Smallest area fraction of the random resized crop.")
+    flip: bool = _field(True, "Random horizontal flips (turn off for digits and text).")
+    color_jitter: float = _field(0.5, "Colour jitter strength (0: off).")
+    blur_probability: float = _field(0.5, "Probability of Gaussian blur (images of 16px and more).")
+    noise_stddev: float = _field(0.0, "Additive Gaussian pixel noise (0: off).")
+    label_fraction: float = _field(1.0, "Fraction of the train labels the probes, fine-tuning and baseline may use (class balanced).")
+    probe_epochs: int = _field(200, "Epochs of the linear probe on frozen features.")
+    probe_learning_rate: float = _field(0.01, "Learning rate of the linear probe.")
+    knn_every_epochs: int = _field(10, "Measure kNN accuracy every N pretraining epochs.")
+    compare_supervised: bool = _field(False, "After pretraining, also train the encoder from scratch on the labeled subset.")
+    baseline_epochs: int = _field(100, "Epochs of the supervised baseline over the labeled subset.")
+    baseline_learning_rate: float = _field(3e-3, "AdamW learning rate of the supervised baseline.")
     keep_checkpoints: int = _field(3, "How many checkpoints to keep under WORKDIR/checkpoints.")
 
     def replace(self, **changes) -> "Config":
@@ -107,6 +127,7 @@ def validate(config: Config) -> Config:
     _choice("strategy", config.strategy, STRATEGIES)
     _choice("model", config.model, MODELS)
     _choice("optimizer", config.optimizer, OPTIMIZERS)
+    _choice("learning_rate_scaling", config.learning_rate_scaling, LEARNING_RATE_SCALINGS)
     precision = canonical_precision(config.precision)
     dataset = config.dataset
     if dataset.startswith("folder:"):
@@ -115,16 +136,33 @@ def validate(config: Config) -> Config:
     elif dataset not in ("digits", "synthetic") and not (dataset.startswith("tfds:") and len(dataset) > 5):
         raise UsageError(f"unknown dataset {dataset!r}; valid: {', '.join(DATASETS)}")
     positive = {"global_batch_size": config.global_batch_size, "epochs": config.epochs, "keep_checkpoints": config.keep_checkpoints,
-                "loss_scale_growth_steps": config.loss_scale_growth_steps}
+                "loss_scale_growth_steps": config.loss_scale_growth_steps, "projection_dim": config.projection_dim,
+                "probe_epochs": config.probe_epochs, "knn_every_epochs": config.knn_every_epochs,
+                "baseline_epochs": config.baseline_epochs}
     for name, value in positive.items():
         if value < 1:
             raise UsageError(f"{name} must be a positive integer, got {value}")
     for name, value in {"image_size": config.image_size, "num_cpu_devices": config.num_cpu_devices, "warmup_epochs": config.warmup_epochs,
-                        "weight_decay": config.weight_decay}.items():
+                        "weight_decay": config.weight_decay, "color_jitter": config.color_jitter,
+                        "noise_stddev": config.noise_stddev}.items():
         if value < 0:
             raise UsageError(f"{name} must be >= 0, got {value}")
-    if config.learning_rate <= 0:
-        raise UsageError(f"learning_rate must be > 0, got {config.learning_rate}")
+    for name, value in {"learning_rate": config.learning_rate, "temperature": config.temperature,
+                        "probe_learning_rate": config.probe_learning_rate, "baseline_learning_rate": config.baseline_learning_rate}.items():
+        if value <= 0:
+            raise UsageError(f"{name} must be > 0, got {value}")
+    for name, value in {"label_fraction": config.label_fraction, "crop_min_scale": config.crop_min_scale}.items():
+        if not 0 < value <= 1:
+            raise UsageError(f"{name} must be in (0, 1], got {value}")
+    if not 0 <= config.blur_probability <= 1:
+        raise UsageError(f"blur_probability must be in [0, 1], got {config.blur_probability}")
+    if config.task in ("linear_eval", "finetune"):
+        if not config.encoder:
+            raise UsageError(f"--task={config.task} needs --encoder=PATH (an encoder.keras written by --task=simclr)")
+        if not os.path.isfile(config.encoder):
+            raise UsageError(f"encoder {config.encoder}: no such file")
+    if config.unlabeled_split and not config.dataset.startswith("tfds:"):
+        raise UsageError(f"--unlabeled_split applies to tfds:NAME data sets only, not {config.dataset}")
     if not 0 <= config.bn_momentum < 1:
         raise UsageError(f"bn_momentum must be in [0, 1), got {config.bn_momentum}")
     if config.loss_scale != "dynamic":

@@ -1,18 +1,92 @@
-"""Optimizers and learning-rate schedules, from Keras' own pieces.
+"""Optimizers and learning-rate schedules.
 
-`make_optimizer` builds the configured optimizer with linear warmup and cosine decay
-(Keras' `CosineDecay` with `warmup_steps`), keeps biases and BatchNorm parameters out
-of weight decay, and wraps it for loss scaling under `mixed_float16`.
+`make_optimizer` builds the configured optimizer (`adamw`, `sgd`, `lars`) with linear
+warmup and cosine decay (Keras' own `CosineDecay` with `warmup_steps`), scales the
+learning rate with the global batch (`linear`: x B/256, `sqrt`: x sqrt(B)), keeps
+biases and BatchNorm parameters out of weight decay, and wraps the optimizer for
+loss scaling under `mixed_float16`.
+
+LARS is written here because no maintained Keras 3 implementation exists; it follows
+the SimCLR reference (google-research/simclr `lars_optimizer.py`).
 """
 
 from __future__ import annotations
 
+import math
+
 import keras
+from keras import ops
 
 from tfmp import precision
+from tfmp.config import LEARNING_RATE_SCALINGS
 
-# Variables whose names contain these are excluded from weight decay.
+# Variables whose names contain these are excluded from weight decay (and LARS adaptation).
 NO_DECAY_NAMES = ("bias", "gamma", "beta")
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class LARS(keras.optimizers.Optimizer):
+    """Layer-wise adaptive rate scaling with momentum (You et al. 2017, as used by SimCLR).
+
+    For each weight matrix the update is `trust * (g + weight_decay * w)` with
+    `trust = eta * ||w|| / ||g + weight_decay * w||`; biases and BatchNorm parameters
+    (1-D variables, or names in `exclude_names`) get plain momentum SGD with no decay.
+
+    Args:
+        learning_rate: float or schedule.
+        momentum: heavy-ball momentum.
+        weight_decay: L2 coefficient folded into the gradient before adaptation
+            (not Keras' decoupled decay, which stays off).
+        eta: trust coefficient.
+        exclude_names: name fragments of variables excluded from decay and adaptation.
+    """
+
+    def __init__(self, learning_rate=0.1, momentum=0.9, weight_decay=1e-6, eta=1e-3, exclude_names=NO_DECAY_NAMES, name="lars",
+                 **kwargs):
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.momentum = momentum
+        self.lars_weight_decay = weight_decay
+        self.eta = eta
+        self.exclude_names = tuple(exclude_names)
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self.momentums = self.add_optimizer_variables(variables, "momentum")
+
+    def _adapts(self, variable) -> bool:
+        return len(variable.shape) > 1 and not any(fragment in getattr(variable, "path", variable.name) for fragment in self.exclude_names)
+
+    def update_step(self, gradient, variable, learning_rate):
+        learning_rate = ops.cast(learning_rate, variable.dtype)
+        gradient = ops.cast(gradient, variable.dtype)
+        if self._adapts(variable):
+            gradient = gradient + self.lars_weight_decay * variable
+            weight_norm, gradient_norm = ops.norm(ops.reshape(variable, [-1])), ops.norm(ops.reshape(gradient, [-1]))
+            trust = ops.where(
+                ops.logical_and(weight_norm > 0, gradient_norm > 0), self.eta * weight_norm / gradient_norm, ops.ones_like(weight_norm)
+            )
+            gradient = gradient * trust
+        momentum = self.momentums[self._get_variable_index(variable)]
+        self.assign(momentum, momentum * self.momentum + learning_rate * gradient)
+        self.assign_sub(variable, momentum)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(momentum=self.momentum, weight_decay=self.lars_weight_decay, eta=self.eta, exclude_names=list(self.exclude_names))
+        return config
+
+
+def scaled_learning_rate(base_learning_rate: float, global_batch_size: int, scaling: str) -> float:
+    """`linear`: base x B / 256 (Goyal et al.); `sqrt`: base x sqrt(B) (SimCLR, small batches); `none`: base."""
+    if scaling == "linear":
+        return base_learning_rate * global_batch_size / 256
+    if scaling == "sqrt":
+        return base_learning_rate * math.sqrt(global_batch_size)
+    if scaling == "none":
+        return base_learning_rate
+    raise ValueError(f"unknown learning_rate_scaling {scaling!r}; valid: {', '.join(LEARNING_RATE_SCALINGS)}")
 
 
 def warmup_cosine(peak_learning_rate: float, total_steps: int, warmup_steps: int) -> keras.optimizers.schedules.LearningRateSchedule:
@@ -31,15 +105,24 @@ def warmup_cosine(peak_learning_rate: float, total_steps: int, warmup_steps: int
 def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     """The optimizer a `tfmp.config.Config` asks for, loss-scaled where the policy needs it.
 
+    A stage that trains differently (e.g. the supervised baseline of an SSL run)
+    passes `config.replace(...)` with its own optimizer, learning rate and epochs.
     Call inside the strategy scope, after `precision.set_policy`.
+
+    Args:
+        config: optimizer, learning rate and its scaling, epochs, warmup, weight decay, loss scale.
+        steps_per_epoch: optimizer steps per epoch.
     """
+    peak = scaled_learning_rate(config.learning_rate, config.global_batch_size, config.learning_rate_scaling)
     total_steps = steps_per_epoch * config.epochs
-    schedule = warmup_cosine(config.learning_rate, total_steps, round(config.warmup_epochs * steps_per_epoch))
-    if config.optimizer == "sgd":
+    schedule = warmup_cosine(peak, total_steps, round(config.warmup_epochs * steps_per_epoch))
+    if config.optimizer == "lars":
+        optimizer = LARS(schedule, momentum=0.9, weight_decay=config.weight_decay)
+    elif config.optimizer == "sgd":
         optimizer = keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True, weight_decay=config.weight_decay or None)
     else:
         optimizer = keras.optimizers.AdamW(schedule, weight_decay=config.weight_decay)
-    if config.weight_decay:
+    if config.weight_decay and config.optimizer != "lars":
         optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY_NAMES))
     return precision.wrap_optimizer(
         optimizer,

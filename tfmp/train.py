@@ -68,7 +68,9 @@ def main(argv: list[str]) -> int:
         return _fail(str(error), 2)
     except training.TrainingFailed as error:
         return _fail(f"training failed: {error}", 1)
-    summary = {key: metrics[key] for key in ("precision", "strategy", "num_replicas", "train_loss", "eval_accuracy") if key in metrics}
+    shown = ("precision", "strategy", "num_replicas", "train_loss", "eval_accuracy", "linear_probe_accuracy", "knn_accuracy",
+             "supervised_baseline_accuracy")
+    summary = {key: round(metrics[key], 4) if isinstance(metrics[key], float) else metrics[key] for key in shown if key in metrics}
     print(f"done: {os.path.join(workdir, 'metrics.json')} {summary}")
     return 0
 

@@ -31,62 +31,99 @@ class TrainingFailed(RuntimeError):
     """Training ran but did not succeed (e.g. the loss became non-finite); CLI exit code 1."""
 
 
-def _verbosity() -> int:
+def verbosity() -> int:
     # A progress bar on a terminal; one line per epoch in logs and CI.
     return 1 if sys.stdout.isatty() else 2
 
 
-def train_supervised(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str,
-                     extra_callbacks=()) -> dict:
-    """Trains encoder + linear classifier on the labeled train split; evaluates on test."""
-    steps_per_epoch = len(data.train) // config.global_batch_size
+def loss_scale_metrics(optimizer) -> dict:
+    """`loss_scale` and `skipped_steps` where the optimizer scales the loss (fp16), else nothing."""
+    scale = precision.current_loss_scale(optimizer)
+    if scale is None:
+        return {}
+    return {"loss_scale": scale, "skipped_steps": precision.skipped_steps(optimizer)}
+
+
+def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, directory: str, *,
+                   indices=None, encoder: keras.Model | None = None, extra_callbacks=()) -> dict:
+    """Trains encoder + linear classifier on the train split (or its `indices`); evaluates on test.
+
+    Args:
+        config: the stage's config (optimizer, learning rate, epochs, batch, ...).
+        data: the data set.
+        strategy: the distribution strategy.
+        directory: this stage's `checkpoints/` and `tensorboard/` go here; a rerun resumes.
+        indices: train on this subset only (e.g. the labeled fraction). A global batch
+            larger than the subset is reduced to fit it.
+        encoder: start from this encoder (fine-tuning) instead of a new one.
+        extra_callbacks: Keras callbacks added after tfmp's own.
+
+    Returns:
+        `train_loss`, `eval_accuracy`, `eval_loss`, `steps`, `resumed_from_epoch`,
+        `examples_per_second` (and the loss-scale figures under fp16).
+    """
+    replicas = strategy.num_replicas_in_sync
+    count = len(data.train) if indices is None else len(indices)
+    batch = config.global_batch_size
+    if indices is not None and batch > count:
+        batch = max(replicas, count - count % replicas)
+        logger.info("batch reduced to %d to fit the %d labeled examples", batch, count)
+    steps_per_epoch = count // batch
     if steps_per_epoch < 1:
-        raise UsageError(f"global_batch_size {config.global_batch_size} exceeds the {len(data.train)} training examples of {data.name}")
-    norm = models.NormSettings(momentum=config.bn_momentum)
+        raise UsageError(f"global_batch_size {batch} exceeds the {count} training examples of {data.name}")
+    config = config.replace(global_batch_size=batch)
     with strategy.scope():
-        encoder = models.build_encoder(config.model, data.image_shape, norm)
+        encoder = encoder or models.build_encoder(config.model, data.image_shape, models.NormSettings(momentum=config.bn_momentum))
         model = models.build_classifier(encoder, data.num_classes)
         model.compile(
             optimizer=optimizers.make_optimizer(config, steps_per_epoch),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         )
-    train = tfmp_data.classification_pipeline(data.train, config.global_batch_size, training=True, seed=config.seed)
-    test = tfmp_data.classification_pipeline(data.test, config.global_batch_size, training=False)
+    train = tfmp_data.classification_pipeline(data.train, batch, training=True, seed=config.seed, indices=indices)
+    test = tfmp_data.classification_pipeline(data.test, batch, training=False)
 
-    callbacks = tfmp_callbacks.default_callbacks(workdir, max_to_keep=config.keep_checkpoints)
+    callbacks = tfmp_callbacks.default_callbacks(directory, max_to_keep=config.keep_checkpoints)
     checkpointing = next(c for c in callbacks if isinstance(c, tfmp_callbacks.Checkpointing))
-    throughput = tfmp_callbacks.Throughput(config.global_batch_size)
-    history = model.fit(train, epochs=config.epochs, validation_data=test, callbacks=[throughput, *callbacks, *extra_callbacks], shuffle=False,
-                        verbose=_verbosity())
-
+    throughput = tfmp_callbacks.Throughput(batch)
+    history = model.fit(train, epochs=config.epochs, validation_data=test, callbacks=[throughput, *callbacks, *extra_callbacks],
+                        shuffle=False, verbose=verbosity())
     losses = history.history.get("loss", [])
-    if losses and not math.isfinite(losses[-1]):
-        raise TrainingFailed(
-            f"training loss became {losses[-1]} in epoch {checkpointing.restored_epoch + len(losses)} under {config.precision}; "
-            "lower --learning_rate, or use mixed_bfloat16/float32 if fp16 overflowed. "
-            f"The last good checkpoint is in {checkpointing.directory}"
-        )
+    check_finite(losses, config, checkpointing)
     evaluation = model.evaluate(test, return_dict=True, verbose=0)
-    train_loss = losses[-1] if losses else None
-    if train_loss is None:  # resumed after the last epoch's checkpoint: nothing left to train
-        train_loss = model.evaluate(train, return_dict=True, verbose=0)["loss"]
-    metrics = {
+    train_loss = losses[-1] if losses else model.evaluate(train, return_dict=True, verbose=0)["loss"]  # resumed when finished
+    return {
         "train_loss": float(train_loss),
         "eval_accuracy": float(evaluation["accuracy"]),
         "eval_loss": float(evaluation["loss"]),
         "steps": int(model.optimizer.iterations.numpy()),
         "resumed_from_epoch": checkpointing.restored_epoch,
         "examples_per_second": throughput.examples_per_second,
+        **loss_scale_metrics(model.optimizer),
     }
-    scale = precision.current_loss_scale(model.optimizer)
-    if scale is not None:
-        metrics["loss_scale"] = scale
-        metrics["skipped_steps"] = precision.skipped_steps(model.optimizer)
-    return metrics
 
 
-TASKS = {"supervised": train_supervised}
+def check_finite(losses: list[float], config: Config, checkpointing: tfmp_callbacks.Checkpointing) -> None:
+    """Raises TrainingFailed with a diagnosis when the last epoch's loss is not finite."""
+    if losses and not math.isfinite(losses[-1]):
+        raise TrainingFailed(
+            f"training loss became {losses[-1]} in epoch {checkpointing.restored_epoch + len(losses)} under {config.precision}; "
+            "lower --learning_rate, or use mixed_bfloat16/float32 if fp16 overflowed. "
+            f"The last good checkpoint is in {checkpointing.directory}"
+        )
+
+
+def train_supervised(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str,
+                     extra_callbacks=()) -> dict:
+    """`--task=supervised`: encoder + linear classifier on all train labels."""
+    return fit_classifier(config, data, strategy, workdir, extra_callbacks=extra_callbacks)
+
+
+def _tasks() -> dict:
+    from tfmp.ssl import tasks as ssl_tasks  # the SSL tasks build on this module
+
+    return {"supervised": train_supervised, "simclr": ssl_tasks.pretrain_simclr, "linear_eval": ssl_tasks.linear_eval,
+            "finetune": ssl_tasks.finetune}
 
 
 def prepare(config: Config) -> tuple[Config, str, tf.distribute.Strategy]:
@@ -132,12 +169,13 @@ def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
 
     config, policy, strategy = prepare(config)
     try:
-        data = tfmp_data.load(config.dataset, data_dir=config.data_dir or None, image_size=config.image_size, seed=config.seed)
+        data = tfmp_data.load(config.dataset, data_dir=config.data_dir or None, image_size=config.image_size, seed=config.seed,
+                              unlabeled_split=config.unlabeled_split)
     except ValueError as error:
         raise UsageError(str(error)) from None
 
     run_directory.write_config(config, workdir)
-    task_metrics = TASKS[config.task](config, data, strategy, workdir, extra_callbacks)
+    task_metrics = _tasks()[config.task](config, data, strategy, workdir, extra_callbacks)
 
     metrics = {
         "task": config.task,

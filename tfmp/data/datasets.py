@@ -12,7 +12,8 @@ drawn by index, seeded and class balanced, whatever the source.
 * `folder:PATH` — the user's images, one subfolder per class; `PATH/train` and
   `PATH/test` if present, otherwise a seeded stratified 80/20 split of `PATH`.
 * `tfds:NAME` — tensorflow-datasets (`--data_dir` for prepared data; never downloads
-  at run time). Splits `train` and `test`.
+  at run time). Splits `train` and `test`, plus an optional split of extra
+  unlabeled images for pretraining (`--unlabeled_split=unlabelled` for STL-10).
 * `synthetic` — seeded uniform-noise images with random labels, for benchmarks.
 """
 
@@ -94,6 +95,23 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tup
     indices = np.arange(len(labels))
     train, test = train_test_split(indices, test_size=test_fraction, random_state=seed, stratify=labels)
     return np.sort(train), np.sort(test)
+
+
+def balanced_subset(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """Sorted indices of a seeded, class-balanced `fraction` of the examples (at least one per class).
+
+    The same (labels, fraction, seed) always gives the same subset, so a probe, a
+    fine-tune and a supervised baseline of one run all see the same labeled examples.
+    """
+    if fraction >= 1.0:
+        return np.arange(len(labels))
+    rng = np.random.default_rng(seed)
+    chosen = []
+    for label in np.unique(labels[labels >= 0]):
+        members = np.flatnonzero(labels == label)
+        count = max(1, int(round(fraction * len(members))))
+        chosen.append(rng.choice(members, size=count, replace=False))
+    return np.sort(np.concatenate(chosen))
 
 
 def load_digits(image_size: int = 0) -> ImageData:
@@ -219,8 +237,10 @@ def _tfds_split(builder, split: str, image_size: int, channels: int, labeled: bo
     return Split(labels=labels, make=make, cacheable=cacheable)
 
 
-def load_tfds(name: str, data_dir: str | None = None, image_size: int = 0) -> ImageData:
+def load_tfds(name: str, data_dir: str | None = None, image_size: int = 0, unlabeled_split: str = "") -> ImageData:
     """A tensorflow-datasets image classification set that is already prepared.
+
+    `unlabeled_split` (e.g. STL-10's "unlabelled") becomes `ImageData.unlabeled`.
 
     Raises:
         ValueError: unknown name, or the data set is not prepared in `data_dir`.
@@ -238,6 +258,7 @@ def load_tfds(name: str, data_dir: str | None = None, image_size: int = 0) -> Im
             test=_tfds_split(builder, "test", image_size, channels, labeled=True),
             num_classes=num_classes,
             image_shape=(image_size or image_shape[0], image_size or image_shape[1], channels),
+            unlabeled=_tfds_split(builder, unlabeled_split, image_size, channels, labeled=False) if unlabeled_split else None,
         )
     except (tfds.core.registered.DatasetNotFoundError, AssertionError, KeyError, ValueError, tf.errors.NotFoundError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -247,7 +268,7 @@ def load_tfds(name: str, data_dir: str | None = None, image_size: int = 0) -> Im
         ) from None
 
 
-def load(name: str, *, data_dir: str | None = None, image_size: int = 0, seed: int = 0) -> ImageData:
+def load(name: str, *, data_dir: str | None = None, image_size: int = 0, seed: int = 0, unlabeled_split: str = "") -> ImageData:
     """Loads a data set by its tfmp name (see the module docstring).
 
     Raises:
@@ -261,5 +282,5 @@ def load(name: str, *, data_dir: str | None = None, image_size: int = 0, seed: i
     if name.startswith("folder:") and len(name) > len("folder:"):
         return load_folder(name[len("folder:"):], image_size, seed)
     if name.startswith("tfds:") and len(name) > len("tfds:"):
-        return load_tfds(name[len("tfds:"):], data_dir, image_size)
+        return load_tfds(name[len("tfds:"):], data_dir, image_size, unlabeled_split)
     raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(DATASETS)}")

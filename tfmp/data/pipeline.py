@@ -23,6 +23,7 @@ def classification_pipeline(
     training: bool,
     seed: int = 0,
     indices: np.ndarray | None = None,
+    visible_labels: np.ndarray | None = None,
 ) -> tf.data.Dataset:
     """Batched `(image, label)` pairs from `split` (or its examples at `indices`).
 
@@ -33,8 +34,17 @@ def classification_pipeline(
             batch, so every step has the same shape on every replica (TPUs need it).
         seed: shuffle seed.
         indices: optional subset of the split.
+        visible_labels: optional sorted indices of the examples whose labels may be
+            seen; every other label becomes -1 (SSL pretraining on all images with
+            only a fraction of the labels, e.g. for the online probe).
     """
     dataset = split.dataset(indices)
+    if visible_labels is not None:
+        visible = np.zeros(len(split) if indices is None else len(indices), dtype=bool)
+        visible[visible_labels] = True
+        visible_table = tf.constant(visible)
+        dataset = dataset.enumerate().map(
+            lambda index, pair: (pair[0], tf.where(visible_table[index], pair[1], -1)), num_parallel_calls=tf.data.AUTOTUNE)
     if split.cacheable:
         dataset = dataset.cache()
     if training:

@@ -1,0 +1,42 @@
+"""The README's promises: its library example runs as written, its commands are the ones CI runs."""
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def _readme():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as file:
+        return file.read()
+
+
+def test_library_example_runs_and_resumes(tmp_path):
+    blocks = re.findall(r"```python\n(.*?)```", _readme(), flags=re.S)
+    assert len(blocks) == 1, "README.md should hold exactly one python example"
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0])
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    first = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    accuracy = float(re.search(r"^accuracy ([0-9.]+)", first.stdout, flags=re.M).group(1))
+    assert accuracy > 0.8
+    assert "ckpt-3.index" in os.listdir(tmp_path / "runs" / "my_digits" / "checkpoints")
+    # Run again: the checkpoint of epoch 3 is restored and fit() has no epoch left to run.
+    second = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Epoch" not in second.stdout
+    assert float(re.search(r"^accuracy ([0-9.]+)", second.stdout, flags=re.M).group(1)) == accuracy
+
+
+def test_ci_runs_the_readme_test_command():
+    commands = re.search(r"```bash\n(.*?)```", _readme(), flags=re.S).group(1).strip().splitlines()
+    assert len(commands) == 2, "README.md starts with exactly two commands"
+    test_command = commands[1].split("&&")[-1].strip()
+    with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as file:
+        ci_lines = [line.strip() for line in file]
+    assert test_command in ci_lines

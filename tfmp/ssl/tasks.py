@@ -1,0 +1,146 @@
+"""The SSL tasks of `python -m tfmp.train`: `simclr`, `linear_eval`, `finetune`.
+
+`simclr` pretrains on the train split's images (labels hidden, but for the labeled
+fraction the online probe may see), saves `WORKDIR/encoder.keras`, measures the
+frozen encoder with a linear probe and kNN on `--label_fraction` of the train labels,
+and, with `--compare_supervised`, trains the same architecture from scratch on the
+same labeled examples — the number SSL has to beat.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import keras
+import tensorflow as tf
+
+from tfmp import callbacks as tfmp_callbacks
+from tfmp import data as tfmp_data
+from tfmp import models, optimizers
+from tfmp.config import Config, UsageError
+from tfmp.data.augment import AugmentConfig
+from tfmp.ssl import guard, probes
+from tfmp.ssl.simclr import SimCLR
+from tfmp.training import check_finite, fit_classifier, loss_scale_metrics, verbosity
+
+logger = logging.getLogger(__name__)
+ENCODER_FILE = "encoder.keras"
+EVAL_BATCH = 256
+
+
+def augment_config(config: Config) -> AugmentConfig:
+    return AugmentConfig(crop_scale=(config.crop_min_scale, 1.0), flip=config.flip, color_jitter=config.color_jitter,
+                         blur_probability=config.blur_probability, noise_stddev=config.noise_stddev)
+
+
+def labeled_indices(config: Config, data: tfmp_data.ImageData):
+    return tfmp_data.balanced_subset(data.train.labels, config.label_fraction, config.seed)
+
+
+def evaluate_encoder(config: Config, data: tfmp_data.ImageData, encoder: keras.Model, labeled) -> dict:
+    """Linear probe and kNN accuracy on the test split, from the labeled train examples only."""
+    bank = tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=labeled)
+    test = tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False)
+    train_features, train_labels = probes.extract_features(encoder, bank)
+    test_features, test_labels = probes.extract_features(encoder, test)
+    return {
+        "linear_probe_accuracy": probes.linear_probe(train_features, train_labels, test_features, test_labels, data.num_classes,
+                                                     epochs=config.probe_epochs, learning_rate=config.probe_learning_rate,
+                                                     seed=config.seed),
+        "knn_accuracy": probes.knn_accuracy(train_features, train_labels, test_features, test_labels, data.num_classes),
+        "labeled_examples": int(len(labeled)),
+    }
+
+
+def baseline_config(config: Config) -> Config:
+    """The supervised-from-scratch recipe: AdamW at the baseline learning rate, no batch scaling."""
+    defaults = Config()
+    return config.replace(optimizer="adamw", learning_rate=config.baseline_learning_rate, learning_rate_scaling="none",
+                          epochs=config.baseline_epochs, weight_decay=defaults.weight_decay,
+                          warmup_epochs=max(1.0, 0.05 * config.baseline_epochs))
+
+
+def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str,
+                    extra_callbacks=()) -> dict:
+    """`--task=simclr`: pretrain, save the encoder, probe it, and (optionally) train the baseline."""
+    unlabeled = data.unlabeled or data.train
+    steps_per_epoch = len(unlabeled) // config.global_batch_size
+    if steps_per_epoch < 1:
+        raise UsageError(f"global_batch_size {config.global_batch_size} exceeds the {len(unlabeled)} images to pretrain on")
+    labeled = labeled_indices(config, data)
+    norm = models.NormSettings(momentum=config.bn_momentum, synchronized=True)
+    with strategy.scope():
+        encoder = models.build_encoder(config.model, data.image_shape, norm)
+        model = SimCLR(encoder, num_classes=data.num_classes, projection_dim=config.projection_dim, temperature=config.temperature,
+                       augment_config=augment_config(config), seed=config.seed, norm=norm)
+        model.build((None, *data.image_shape))
+        model.compile(optimizer=optimizers.make_optimizer(config, steps_per_epoch))
+
+    warnings = guard.check(len(unlabeled), config.epochs, config.global_batch_size, encoder.count_params())
+    for warning in warnings:
+        logger.warning("small-data guard: %s", warning)
+
+    visible = labeled if unlabeled is data.train else None
+    pretrain = tfmp_data.classification_pipeline(unlabeled, config.global_batch_size, training=True, seed=config.seed,
+                                                 visible_labels=visible)
+    knn = probes.KNNMonitor(encoder, tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=labeled),
+                            tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False), data.num_classes,
+                            every_epochs=config.knn_every_epochs)
+    callbacks = tfmp_callbacks.default_callbacks(workdir, max_to_keep=config.keep_checkpoints, monitors=[knn])
+    checkpointing = next(c for c in callbacks if isinstance(c, tfmp_callbacks.Checkpointing))
+    throughput = tfmp_callbacks.Throughput(config.global_batch_size)
+    history = model.fit(pretrain, epochs=config.epochs, callbacks=[throughput, *callbacks, *extra_callbacks], shuffle=False,
+                        verbose=verbosity())
+    losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(workdir)[-1:]]
+    check_finite(losses, config, checkpointing)
+    encoder.save(os.path.join(workdir, ENCODER_FILE))
+
+    metrics = {
+        "train_loss": float(losses[-1]),
+        "steps": int(model.optimizer.iterations.numpy()),
+        "resumed_from_epoch": checkpointing.restored_epoch,
+        "examples_per_second": throughput.examples_per_second,
+        "unlabeled_examples": len(unlabeled),
+        "small_data_warnings": warnings,
+        **loss_scale_metrics(model.optimizer),
+        **evaluate_encoder(config, data, encoder, labeled),
+    }
+    if config.compare_supervised:
+        baseline = fit_classifier(baseline_config(config), data, strategy, os.path.join(workdir, "baseline"), indices=labeled)
+        metrics["supervised_baseline_accuracy"] = baseline["eval_accuracy"]
+    return metrics
+
+
+def _load_encoder(path: str) -> keras.Model:
+    try:
+        return keras.saving.load_model(path)  # safe mode: only registered Keras objects, no lambdas
+    except (ValueError, OSError, TypeError) as error:
+        raise UsageError(f"encoder {path}: cannot load ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
+
+
+def _check_encoder_input(encoder: keras.Model, data: tfmp_data.ImageData, path: str) -> None:
+    expected = tuple(encoder.input_shape[1:])
+    if expected != tuple(data.image_shape):
+        raise UsageError(f"encoder {path} takes images of shape {expected}, {data.name} gives {tuple(data.image_shape)}; "
+                         "set --image_size to match")
+
+
+def linear_eval(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str, extra_callbacks=()) -> dict:
+    """`--task=linear_eval --encoder=PATH`: linear probe and kNN of a saved encoder."""
+    encoder = _load_encoder(config.encoder)
+    _check_encoder_input(encoder, data, config.encoder)
+    return {"encoder": config.encoder, **evaluate_encoder(config, data, encoder, labeled_indices(config, data))}
+
+
+def finetune(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str, extra_callbacks=()) -> dict:
+    """`--task=finetune --encoder=PATH`: train the saved encoder + a linear head on the labeled fraction."""
+    with strategy.scope():
+        encoder = _load_encoder(config.encoder)
+    _check_encoder_input(encoder, data, config.encoder)
+    labeled = labeled_indices(config, data)
+    metrics = fit_classifier(config, data, strategy, workdir, indices=labeled, encoder=encoder, extra_callbacks=extra_callbacks)
+    return {"encoder": config.encoder, "labeled_examples": int(len(labeled)), **metrics}
+
+
+__all__ = ["pretrain_simclr", "linear_eval", "finetune"]
