@@ -1,0 +1,75 @@
+"""`python -m tfmp.train --task=simclr|linear_eval|finetune` end to end on tiny settings."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tfmp import train
+
+TINY = ["--flagfile=experiments/digits_simclr.cfg", "--epochs=2", "--global_batch_size=128", "--warmup_epochs=0",
+        "--probe_epochs=5", "--baseline_epochs=2", "--knn_every_epochs=1", "--label_fraction=0.1"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """One tiny SimCLR run on 2 logical CPU devices in a fresh process; its workdir."""
+    workdir = tmp_path_factory.mktemp("simclr") / "run"
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, "-m", "tfmp.train", *TINY, f"--workdir={workdir}", "--strategy=mirrored",
+                             "--num_cpu_devices=2", "--precision=bf16"], capture_output=True, text=True, env=environment,
+                            cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
+
+
+def _metrics(workdir):
+    with open(os.path.join(workdir, "metrics.json"), encoding="utf-8") as file:
+        return json.load(file)
+
+
+def test_simclr_writes_the_ssl_metrics(pretrained):
+    metrics = _metrics(pretrained)
+    assert (metrics["task"], metrics["strategy"], metrics["num_replicas"]) == ("simclr", "mirrored", 2)
+    for key in ("linear_probe_accuracy", "knn_accuracy", "supervised_baseline_accuracy"):
+        assert 0.0 <= metrics[key] <= 1.0
+    assert metrics["linear_probe_accuracy"] > 0.3  # far above chance (0.1) even after 2 epochs
+    assert metrics["steps"] == 2 * (1437 // 128)
+    assert metrics["labeled_examples"] == 144 and metrics["unlabeled_examples"] == 1437
+    with open(pretrained / "history.csv", encoding="utf-8") as file:
+        assert "knn_accuracy" in file.readline()
+    # 1,437 images x 2 epochs / 128 = 22 steps: the guard must say so.
+    assert any("pretraining steps" in warning for warning in metrics["small_data_warnings"])
+
+
+def test_encoder_loads_in_safe_mode_after_import_tfmp(pretrained):
+    code = ("import tfmp, keras, numpy as np; "
+            f"encoder = keras.saving.load_model({str(pretrained / 'encoder.keras')!r}, safe_mode=True); "
+            "print(encoder(np.zeros((2, 8, 8, 1), 'float32')).shape)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "(2, 128)" in result.stdout
+
+
+def test_linear_eval_of_the_saved_encoder(pretrained, tmp_path):
+    workdir = tmp_path / "eval"
+    metrics = train.training.run(train.tfmp_config.Config(task="linear_eval", encoder=str(pretrained / "encoder.keras"),
+                                                          label_fraction=0.1, probe_epochs=5, strategy="off"), str(workdir))
+    assert metrics["linear_probe_accuracy"] > 0.3 and metrics["labeled_examples"] == 144
+
+
+def test_finetune_of_the_saved_encoder(pretrained, tmp_path):
+    workdir = tmp_path / "finetune"
+    metrics = train.training.run(train.tfmp_config.Config(task="finetune", encoder=str(pretrained / "encoder.keras"),
+                                                          label_fraction=0.1, epochs=3, strategy="off"), str(workdir))
+    assert metrics["eval_accuracy"] > 0.3 and metrics["labeled_examples"] == 144
+
+
+def test_linear_eval_needs_an_encoder(tmp_path, capsys):
+    assert train.main(["tfmp.train", "--task=linear_eval", f"--workdir={tmp_path / 'x'}"]) == 2
+    assert "--task=linear_eval needs --encoder=PATH" in capsys.readouterr().err
+    assert train.main(["tfmp.train", "--task=finetune", "--encoder=/no/such.keras", f"--workdir={tmp_path / 'x'}"]) == 2
+    assert "encoder /no/such.keras: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
