@@ -1,0 +1,64 @@
+"""Runs one preset under several precisions and strategies and prints a Markdown table.
+
+This is how the result tables in BUILD_NOTES.md are produced, e.g.
+
+    python experiments/run_matrix.py --flagfile=experiments/digits_supervised.cfg \
+        --precisions=float32,mixed_bfloat16,mixed_float16 --strategies=off,mirrored:2 --out=runs/matrix_supervised
+
+Each cell is a separate `python -m tfmp.train` process (a fresh TensorFlow, as a user
+would run it) in its own workdir under --out; rerunning skips finished cells.
+`mirrored:2` means `--strategy=mirrored --num_cpu_devices=2`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+COLUMNS = ("precision", "strategy", "num_replicas", "eval_accuracy", "linear_probe_accuracy", "knn_accuracy",
+           "supervised_baseline_accuracy", "train_loss", "loss_scale", "skipped_steps", "wall_seconds")
+
+
+def strategy_flags(strategy: str) -> list[str]:
+    name, _, devices = strategy.partition(":")
+    return [f"--strategy={name}"] + ([f"--num_cpu_devices={devices}"] if devices else [])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flagfile", required=True)
+    parser.add_argument("--precisions", default="float32,mixed_bfloat16,mixed_float16")
+    parser.add_argument("--strategies", default="off")
+    parser.add_argument("--out", required=True, help="parent folder of the cells' workdirs")
+    parser.add_argument("extra", nargs="*", help="more tfmp.train flags, after --")
+    args = parser.parse_args()
+
+    rows = []
+    for strategy in args.strategies.split(","):
+        for precision in args.precisions.split(","):
+            workdir = os.path.join(args.out, f"{precision}_{strategy.replace(':', '')}")
+            command = [sys.executable, "-m", "tfmp.train", f"--flagfile={args.flagfile}", f"--workdir={workdir}",
+                       f"--precision={precision}", *strategy_flags(strategy), *args.extra]
+            print("$", " ".join(command[1:]), file=sys.stderr, flush=True)
+            result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if result.returncode:
+                print(result.stderr[-2000:], file=sys.stderr)
+                rows.append({"precision": precision, "strategy": strategy, "train_loss": f"failed (exit {result.returncode})"})
+                continue
+            with open(os.path.join(workdir, "metrics.json"), encoding="utf-8") as file:
+                rows.append(json.load(file))
+
+    columns = [column for column in COLUMNS if any(column in row for row in rows)]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        cells = [f"{row[column]:.1f}" if column == "wall_seconds" and column in row else row.get(column, "") for column in columns]
+        print("| " + " | ".join(f"{cell:.4f}" if isinstance(cell, float) else str(cell) for cell in cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
