@@ -107,3 +107,12 @@ def test_training_pipeline_shuffles_by_seed_and_keeps_full_batches():
     assert not np.array_equal(first_epoch_labels(1), first_epoch_labels(2))
     evaluation = data.classification_pipeline(digits.test, 100, training=False)
     assert sum(len(labels) for _, labels in evaluation.as_numpy_iterator()) == 360
+
+
+def test_tfds_unlabeled_split_for_pretraining():
+    with tfds.testing.mock_data(num_examples=10):
+        loaded = data.load("tfds:stl10", unlabeled_split="unlabelled", image_size=32)
+        assert loaded.image_shape == (32, 32, 3) and len(loaded.unlabeled) == 10
+        assert (loaded.unlabeled.labels == -1).all() and (loaded.train.labels >= 0).all()
+        images, labels = _images_and_labels(loaded.unlabeled, np.arange(2))
+        assert images.shape == (2, 32, 32, 3) and list(labels) == [-1, -1]

@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from tfmp import train
+from tfmp import train, training
+from tfmp.config import Config
 
 TINY = ["--flagfile=experiments/digits_simclr.cfg", "--epochs=2", "--global_batch_size=128", "--warmup_epochs=0",
         "--probe_epochs=5", "--baseline_epochs=2", "--knn_every_epochs=1", "--label_fraction=0.1"]
@@ -25,6 +27,12 @@ def pretrained(tmp_path_factory):
     return workdir
 
 
+def _labeled_count(fraction=0.1):
+    from tfmp import data
+
+    return len(data.balanced_subset(data.load("digits").train.labels, fraction, seed=0))
+
+
 def _metrics(workdir):
     with open(os.path.join(workdir, "metrics.json"), encoding="utf-8") as file:
         return json.load(file)
@@ -37,7 +45,9 @@ def test_simclr_writes_the_ssl_metrics(pretrained):
         assert 0.0 <= metrics[key] <= 1.0
     assert metrics["linear_probe_accuracy"] > 0.3  # far above chance (0.1) even after 2 epochs
     assert metrics["steps"] == 2 * (1437 // 128)
-    assert metrics["labeled_examples"] == 144 and metrics["unlabeled_examples"] == 1437
+    assert metrics["labeled_examples"] == _labeled_count() and metrics["unlabeled_examples"] == 1437
+    assert len(metrics["linear_probe_accuracy_per_draw"]) == 3  # the preset's --label_draws
+    assert metrics["linear_probe_accuracy"] == pytest.approx(np.mean(metrics["linear_probe_accuracy_per_draw"]))
     with open(pretrained / "history.csv", encoding="utf-8") as file:
         assert "knn_accuracy" in file.readline()
     # 1,437 images x 2 epochs / 128 = 22 steps: the guard must say so.
@@ -55,16 +65,16 @@ def test_encoder_loads_in_safe_mode_after_import_tfmp(pretrained):
 
 def test_linear_eval_of_the_saved_encoder(pretrained, tmp_path):
     workdir = tmp_path / "eval"
-    metrics = train.training.run(train.tfmp_config.Config(task="linear_eval", encoder=str(pretrained / "encoder.keras"),
+    metrics = training.run(Config(task="linear_eval", encoder=str(pretrained / "encoder.keras"),
                                                           label_fraction=0.1, probe_epochs=5, strategy="off"), str(workdir))
-    assert metrics["linear_probe_accuracy"] > 0.3 and metrics["labeled_examples"] == 144
+    assert metrics["linear_probe_accuracy"] > 0.3 and metrics["labeled_examples"] == _labeled_count()
 
 
 def test_finetune_of_the_saved_encoder(pretrained, tmp_path):
     workdir = tmp_path / "finetune"
-    metrics = train.training.run(train.tfmp_config.Config(task="finetune", encoder=str(pretrained / "encoder.keras"),
-                                                          label_fraction=0.1, epochs=3, strategy="off"), str(workdir))
-    assert metrics["eval_accuracy"] > 0.3 and metrics["labeled_examples"] == 144
+    metrics = training.run(Config(task="finetune", encoder=str(pretrained / "encoder.keras"),
+                                                          label_fraction=0.1, epochs=30, strategy="off"), str(workdir))
+    assert metrics["eval_accuracy"] > 0.3 and metrics["labeled_examples"] == _labeled_count()
 
 
 def test_linear_eval_needs_an_encoder(tmp_path, capsys):
@@ -73,3 +83,14 @@ def test_linear_eval_needs_an_encoder(tmp_path, capsys):
     assert train.main(["tfmp.train", "--task=finetune", "--encoder=/no/such.keras", f"--workdir={tmp_path / 'x'}"]) == 2
     assert "encoder /no/such.keras: no such file" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_simclr_pretrains_on_a_tfds_unlabeled_split(tmp_path):
+    import tensorflow_datasets as tfds
+
+    config = Config(task="simclr", dataset="tfds:stl10", unlabeled_split="unlabelled", image_size=16,
+                                      global_batch_size=8, epochs=1, probe_epochs=2, strategy="off", precision="bf16")
+    with tfds.testing.mock_data(num_examples=16):
+        metrics = training.run(config, str(tmp_path / "run"))
+    assert metrics["unlabeled_examples"] == 16 and metrics["steps"] == 2
+    assert np.isfinite(metrics["train_loss"]) and len(metrics["small_data_warnings"]) >= 2

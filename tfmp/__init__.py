@@ -8,6 +8,7 @@ Where things live:
     tfmp.optimizers  optimizers and learning-rate schedules
     tfmp.callbacks   checkpoints/resume, telemetry, TensorBoard
     tfmp.config      the config schema and its flags
+    tfmp.ssl         SimCLR, NT-Xent, probes, small-data guard
     tfmp.training    `run(config, workdir)`, used by the CLI `python -m tfmp.train`
 
 Submodules import on first use, so `import tfmp` alone does not start TensorFlow.
@@ -17,7 +18,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("callbacks", "config", "data", "distribute", "models", "optimizers", "precision", "training")
+_SUBMODULES = ("callbacks", "config", "data", "distribute", "models", "optimizers", "precision", "ssl", "training", "workdir")
 
 
 def __getattr__(name):

@@ -91,11 +91,12 @@ class Config:
     blur_probability: float = _field(0.5, "Probability of Gaussian blur (images of 16px and more).")
     noise_stddev: float = _field(0.0, "Additive Gaussian pixel noise (0: off).")
     label_fraction: float = _field(1.0, "Fraction of the train labels the probes, fine-tuning and baseline may use (class balanced).")
+    label_draws: int = _field(1, "Repeat the probes and the baseline on this many seeded label subsets; report the mean.")
     probe_epochs: int = _field(200, "Epochs of the linear probe on frozen features.")
     probe_learning_rate: float = _field(0.01, "Learning rate of the linear probe.")
     knn_every_epochs: int = _field(10, "Measure kNN accuracy every N pretraining epochs.")
     compare_supervised: bool = _field(False, "After pretraining, also train the encoder from scratch on the labeled subset.")
-    baseline_epochs: int = _field(100, "Epochs of the supervised baseline over the labeled subset.")
+    baseline_epochs: int = _field(200, "Epochs of the supervised baseline over the labeled subset.")
     baseline_learning_rate: float = _field(3e-3, "AdamW learning rate of the supervised baseline.")
     keep_checkpoints: int = _field(3, "How many checkpoints to keep under WORKDIR/checkpoints.")
 
@@ -138,7 +139,7 @@ def validate(config: Config) -> Config:
     positive = {"global_batch_size": config.global_batch_size, "epochs": config.epochs, "keep_checkpoints": config.keep_checkpoints,
                 "loss_scale_growth_steps": config.loss_scale_growth_steps, "projection_dim": config.projection_dim,
                 "probe_epochs": config.probe_epochs, "knn_every_epochs": config.knn_every_epochs,
-                "baseline_epochs": config.baseline_epochs}
+                "baseline_epochs": config.baseline_epochs, "label_draws": config.label_draws}
     for name, value in positive.items():
         if value < 1:
             raise UsageError(f"{name} must be a positive integer, got {value}")

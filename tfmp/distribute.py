@@ -57,9 +57,12 @@ def _tpu_strategy(tpu: str | None) -> tf.distribute.TPUStrategy:
     """Connects to a TPU and returns a `TPUStrategy` (untested here: no TPU on the dev machines).
 
     Args:
-        tpu: "local" on a TPU VM; "" or None to auto-detect (Colab, GKE);
-            otherwise a TPU name or a `grpc://host:port` address.
+        tpu: "local" on a TPU VM; "" or None to auto-detect (a TPU VM's own chips,
+            else Colab's / GKE's TPU from the environment); otherwise a TPU name or
+            a `grpc://host:port` address.
     """
+    if not tpu and precision.tpu_vm_chips_present():
+        tpu = "local"
     try:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu or "")
         if tpu != "local":

@@ -49,14 +49,16 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def tpu_present() -> bool:
-    """Whether this process can see a TPU (TPU VM device files, or Colab / GKE TPU variables)."""
-    if os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR"):
-        return True
-    # TPU VMs expose the chips as /dev/accel* (v2-v4) or /dev/vfio/* (v5+).
+def tpu_vm_chips_present() -> bool:
+    """Whether this machine is a TPU VM: chips appear as /dev/accel* (v2-v4) or /dev/vfio/N (v5+)."""
     return any(os.path.exists(f"/dev/accel{i}") for i in range(8)) or bool(
         os.path.isdir("/dev/vfio") and [n for n in os.listdir("/dev/vfio") if n.isdigit()]
     )
+
+
+def tpu_present() -> bool:
+    """Whether this process can see a TPU (TPU VM chips, or Colab / GKE TPU variables)."""
+    return bool(os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR")) or tpu_vm_chips_present()
 
 
 def gpu_compute_capabilities() -> list[tuple[int, int]]:

@@ -209,6 +209,8 @@ def load_folder(path: str, image_size: int = 0, seed: int = 0) -> ImageData:
 
 
 def _tfds_split(builder, split: str, image_size: int, channels: int, labeled: bool) -> Split:
+    import tensorflow_datasets as tfds
+
     def to_pair(image, label):
         image = tf.image.convert_image_dtype(image, tf.float32)
         if image_size and image.shape[0] != image_size:
@@ -219,9 +221,14 @@ def _tfds_split(builder, split: str, image_size: int, channels: int, labeled: bo
         # shuffle_files=False: the order must match `labels` for index subsets.
         return builder.as_dataset(split=split, as_supervised=True, shuffle_files=False)
 
-    labels = np.fromiter((int(label) for _, label in raw().as_numpy_iterator()), dtype=np.int32)
-    if not labeled:
-        labels = np.full_like(labels, -1)
+    # Labels only: skip decoding the images (ImageNet's 1.28M JPEGs would take an hour).
+    label_only = builder.as_dataset(split=split, shuffle_files=False, decoders={"image": tfds.decode.SkipDecoding()})
+    label_key = "label" if "label" in builder.info.features else None
+    if labeled and label_key:
+        labels = np.concatenate([batch for batch in label_only.map(lambda example: example[label_key]).batch(8192).as_numpy_iterator()])
+        labels = labels.astype(np.int32)
+    else:
+        labels = np.full(int(label_only.reduce(0, lambda count, _: count + 1)), -1, dtype=np.int32)
 
     def make(indices):
         dataset = raw()

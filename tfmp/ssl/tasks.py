@@ -34,8 +34,17 @@ def augment_config(config: Config) -> AugmentConfig:
                          blur_probability=config.blur_probability, noise_stddev=config.noise_stddev)
 
 
-def labeled_indices(config: Config, data: tfmp_data.ImageData):
-    return tfmp_data.balanced_subset(data.train.labels, config.label_fraction, config.seed)
+def labeled_indices(config: Config, data: tfmp_data.ImageData, draw: int = 0):
+    """The labeled subset of draw `draw` (draw 0 is also what the online probe and kNN monitor see)."""
+    return tfmp_data.balanced_subset(data.train.labels, config.label_fraction, config.seed + draw)
+
+
+def mean_over_draws(per_draw: list[dict]) -> dict:
+    """Means of each figure over the label draws, plus `<key>_per_draw` lists when there are several."""
+    summary = {key: sum(row[key] for row in per_draw) / len(per_draw) for key in per_draw[0]}
+    if len(per_draw) > 1:
+        summary.update({f"{key}_per_draw": [row[key] for row in per_draw] for key in per_draw[0]})
+    return summary
 
 
 def evaluate_encoder(config: Config, data: tfmp_data.ImageData, encoder: keras.Model, labeled) -> dict:
@@ -49,8 +58,13 @@ def evaluate_encoder(config: Config, data: tfmp_data.ImageData, encoder: keras.M
                                                      epochs=config.probe_epochs, learning_rate=config.probe_learning_rate,
                                                      seed=config.seed),
         "knn_accuracy": probes.knn_accuracy(train_features, train_labels, test_features, test_labels, data.num_classes),
-        "labeled_examples": int(len(labeled)),
     }
+
+
+def evaluate_over_draws(config: Config, data: tfmp_data.ImageData, encoder: keras.Model) -> dict:
+    """`evaluate_encoder` on each of `--label_draws` label subsets, averaged."""
+    per_draw = [evaluate_encoder(config, data, encoder, labeled_indices(config, data, draw)) for draw in range(config.label_draws)]
+    return {"labeled_examples": int(len(labeled_indices(config, data))), **mean_over_draws(per_draw)}
 
 
 def baseline_config(config: Config) -> Config:
@@ -104,11 +118,15 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
         "unlabeled_examples": len(unlabeled),
         "small_data_warnings": warnings,
         **loss_scale_metrics(model.optimizer),
-        **evaluate_encoder(config, data, encoder, labeled),
+        **evaluate_over_draws(config, data, encoder),
     }
     if config.compare_supervised:
-        baseline = fit_classifier(baseline_config(config), data, strategy, os.path.join(workdir, "baseline"), indices=labeled)
-        metrics["supervised_baseline_accuracy"] = baseline["eval_accuracy"]
+        per_draw = []
+        for draw in range(config.label_draws):
+            baseline = fit_classifier(baseline_config(config), data, strategy, os.path.join(workdir, "baseline", f"draw{draw}"),
+                                      indices=labeled_indices(config, data, draw))
+            per_draw.append({"supervised_baseline_accuracy": baseline["eval_accuracy"]})
+        metrics.update(mean_over_draws(per_draw))
     return metrics
 
 
@@ -130,7 +148,7 @@ def linear_eval(config: Config, data: tfmp_data.ImageData, strategy: tf.distribu
     """`--task=linear_eval --encoder=PATH`: linear probe and kNN of a saved encoder."""
     encoder = _load_encoder(config.encoder)
     _check_encoder_input(encoder, data, config.encoder)
-    return {"encoder": config.encoder, **evaluate_encoder(config, data, encoder, labeled_indices(config, data))}
+    return {"encoder": config.encoder, **evaluate_over_draws(config, data, encoder)}
 
 
 def finetune(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str, extra_callbacks=()) -> dict:
