@@ -1,4 +1,4 @@
-"""Keras callbacks tfmp adds to `fit()`: checkpoints with resume, loss-scale telemetry.
+"""Keras callbacks tfmp adds to `fit()`: NaN guard, checkpoints with resume, loss-scale telemetry.
 
 `default_callbacks(workdir)` is the one-liner for library users; the CLI uses the same list.
 """
@@ -12,34 +12,46 @@ import os
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from tfmp import precision
+from tfmp import distribute, precision
 
 logger = logging.getLogger(__name__)
 
 
 class Checkpointing(keras.callbacks.Callback):
-    """Saves model, optimizer and epoch at every epoch end; resumes from the newest at train begin.
+    """Saves model, optimizer and progress; resumes from the newest checkpoint at train begin.
 
+    Saves at every epoch end and, with `every_steps`, every that many optimizer steps.
     Built on `tf.train.CheckpointManager` rather than Keras' `BackupAndRestore`: the
     manager keeps several checkpoints, writes each checkpoint's data before updating
     its index (so a crash mid-write leaves the previous one as the newest), and is what
     TF's preemption and multi-worker tooling builds on. Like `BackupAndRestore`, it
-    tells `fit()` where to start by setting the model's initial epoch.
+    tells `fit()` where to start by setting the model's initial epoch; a checkpoint
+    taken mid-epoch resumes at the start of that epoch, with the optimizer's step
+    count (and so the learning-rate schedule) where it was. A state whose loss or
+    weights are not finite is never saved, so the newest checkpoint is always the
+    last good one.
+
+    Checkpoints are numbered by optimizer step: `ckpt-<step>`.
 
     Args:
         directory: where checkpoints go (`WORKDIR/checkpoints`).
         max_to_keep: how many checkpoints to keep.
+        every_steps: also save every this many optimizer steps (0: epoch ends only).
     """
 
-    def __init__(self, directory: str, max_to_keep: int = 3):
+    def __init__(self, directory: str, max_to_keep: int = 3, every_steps: int = 0):
         super().__init__()
         self.directory = directory
         self.max_to_keep = max_to_keep
+        self.every_steps = every_steps
         self.restored_epoch = 0
+        self.restored_step = 0
         self._manager = None
         self._epoch = None
+        self._current_epoch = 0
 
     def _ensure_manager(self) -> tf.train.CheckpointManager:
         if self._manager is None:
@@ -47,33 +59,124 @@ class Checkpointing(keras.callbacks.Callback):
             if model.optimizer is not None and not model.optimizer.built:
                 with model.distribute_strategy.scope():
                     model.optimizer.build(model.trainable_variables)
+            # Epochs completed when the checkpoint was taken.
             self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
             checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, epoch=self._epoch)
             self._manager = tf.train.CheckpointManager(checkpoint, self.directory, max_to_keep=self.max_to_keep)
         return self._manager
 
+    @property
+    def latest(self) -> str | None:
+        return self._ensure_manager().latest_checkpoint
+
     def restore(self) -> int:
-        """Restores the newest checkpoint, if any; returns the number of epochs it had done."""
+        """Restores the newest checkpoint, if any; returns the number of epochs it had completed."""
         manager = self._ensure_manager()
         if manager.latest_checkpoint is None:
             return 0
         manager.checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
         self.restored_epoch = int(self._epoch.numpy())
-        logger.info("resumed from %s (epoch %d)", manager.latest_checkpoint, self.restored_epoch)
+        self.restored_step = int(self.model.optimizer.iterations.numpy())
+        logger.info("restored %s (epoch %d, step %d)", manager.latest_checkpoint, self.restored_epoch, self.restored_step)
         return self.restored_epoch
+
+    def _save(self, completed_epochs: int, logs) -> None:
+        # A step's loss is computed before its update: the weights can be non-finite
+        # while the logged loss is not, so both are checked.
+        state = [*self.model.weights, *self.model.optimizer.variables]  # BN statistics and momenta diverge too
+        finite_weights = all(np.isfinite(variable.numpy()).all() for variable in state if "float" in str(variable.dtype))
+        if not finite_weights or (logs and not math.isfinite(float(logs.get("loss", 0.0)))):
+            logger.warning("non-finite %s: checkpoint not saved (the last good one stays the newest)",
+                           "weights" if not finite_weights else f"loss {logs['loss']}")
+            return
+        self._epoch.assign(completed_epochs)
+        self._manager.save(checkpoint_number=int(self.model.optimizer.iterations.numpy()))
 
     def on_train_begin(self, logs=None):
         epoch = self.restore()
         if epoch:
             self.model._initial_epoch = epoch  # the hook Keras' own BackupAndRestore uses
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._current_epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_steps and int(self.model.optimizer.iterations.numpy()) % self.every_steps == 0:
+            self._save(self._current_epoch, logs)
+
     def on_epoch_end(self, epoch, logs=None):
-        # Never let a diverged state replace the last good checkpoint.
-        if logs and not math.isfinite(float(logs.get("loss", 0.0))):
-            logger.warning("epoch %d ended with loss %s: checkpoint not saved", epoch + 1, logs["loss"])
+        self._save(epoch + 1, logs)
+
+
+class NaNGuard(keras.callbacks.Callback):
+    """Catches divergence: restores the last good checkpoint and retries, then stops with a diagnosis.
+
+    Triggers on a non-finite loss, or on more than `max_consecutive_skips` steps in a
+    row skipped by fp16 loss scaling (the scale cannot find a working value). Each
+    trigger restores the newest checkpoint (which `Checkpointing` guarantees is
+    finite) and goes on, up to `max_retries` times, as Model Garden's recovery does;
+    then training stops and `diagnosis` names the likely cause. The CLI turns a
+    diagnosis into exit code 1.
+
+    Args:
+        checkpointing: the run's `Checkpointing` callback.
+        max_retries: restores before giving up.
+        max_consecutive_skips: fp16 steps skipped in a row that count as a failure.
+    """
+
+    def __init__(self, checkpointing: Checkpointing, max_retries: int = 2, max_consecutive_skips: int = 20):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.max_retries = max_retries
+        self.max_consecutive_skips = max_consecutive_skips
+        self.retries = 0
+        self.events: list[str] = []
+        self.diagnosis: str | None = None
+        self._skip_streak = 0
+        self._skipped = 0
+
+    def on_train_begin(self, logs=None):
+        self._skipped = precision.skipped_steps(self.model.optimizer) or 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = float((logs or {}).get("loss", 0.0))
+        skipped = precision.skipped_steps(self.model.optimizer)
+        if skipped is not None:
+            self._skip_streak = self._skip_streak + 1 if skipped > self._skipped else 0
+            self._skipped = skipped
+        if math.isfinite(loss) and self._skip_streak <= self.max_consecutive_skips:
             return
-        self._epoch.assign(epoch + 1)
-        self._manager.save(checkpoint_number=epoch + 1)
+        step = int(self.model.optimizer.iterations.numpy())
+        event = f"step {step}: " + (f"loss {loss}" if not math.isfinite(loss) else f"{self._skip_streak} fp16 steps skipped in a row")
+        self.events.append(event)
+        if self.retries < self.max_retries and self.checkpointing.latest:
+            self.retries += 1
+            self.checkpointing.restore()
+            self.model.reset_metrics()
+            self._skip_streak = 0
+            logger.warning("%s; restored %s (retry %d of %d)", event, self.checkpointing.latest, self.retries, self.max_retries)
+            return
+        self.diagnosis = self.diagnose()
+        logger.error("%s", self.diagnosis)
+        self.model.stop_training = True
+
+    def diagnose(self) -> str:
+        """One paragraph: what happened, the likely cause, what to change."""
+        policy = keras.mixed_precision.global_policy().name
+        optimizer = self.model.optimizer
+        learning_rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+        scale = precision.current_loss_scale(optimizer)
+        what = f"training diverged ({'; '.join(self.events)}) after {self.retries} restore(s) of the last good checkpoint"
+        if policy == precision.MIXED_FLOAT16:
+            cause = (f"likely fp16 overflow (loss scale now {scale:g}, {precision.skipped_steps(optimizer)} steps skipped): use "
+                     "--precision=mixed_bfloat16 (float32's range) where the hardware has it, keep overflowing layers in "
+                     "float32 (see `python -m tfmp.doctor`), or lower --learning_rate")
+        else:
+            cause = (f"under {policy} this is not a precision problem but divergence: lower --learning_rate "
+                     f"(now {learning_rate:.3g}) or lengthen --warmup_epochs")
+        latest = self.checkpointing.latest
+        where = f"the last good checkpoint is {latest}" if latest else "no good checkpoint was written before it"
+        return f"{what}; {cause}; {where}"
 
 
 class Throughput(keras.callbacks.Callback):
@@ -123,6 +226,36 @@ class LossScaleMonitor(keras.callbacks.Callback):
             logs["skipped_steps"] = skipped
 
 
+class ReplicaDivergenceError(RuntimeError):
+    """Per-replica copies of some variables differ; the message names them."""
+
+
+class ReplicaConsistencyCheck(keras.callbacks.Callback):
+    """Every `every_steps` steps (and at each epoch end), checks that all replicas hold the
+    same variables (`tfmp.distribute.check_replica_consistency`) and stops training with
+    `ReplicaDivergenceError` naming the ones that do not. Does nothing on one replica."""
+
+    def __init__(self, every_steps: int = 100, atol: float = 0.0):
+        super().__init__()
+        self.every_steps = every_steps
+        self.atol = atol
+
+    def _check(self):
+        if self.model.distribute_strategy.num_replicas_in_sync < 2:
+            return
+        differing = distribute.check_replica_consistency(self.model, self.atol)
+        if differing:
+            step = int(self.model.optimizer.iterations.numpy())
+            raise ReplicaDivergenceError(f"replicas disagree at step {step} on {len(differing)} variable(s): {', '.join(differing)}")
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_steps and int(self.model.optimizer.iterations.numpy()) % self.every_steps == 0:
+            self._check()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._check()
+
+
 HISTORY_FILE = "history.csv"
 
 
@@ -135,18 +268,24 @@ def logged_history(workdir: str) -> list[dict]:
         return [{key: float(value) for key, value in row.items() if value not in ("", "NA", None)} for row in csv.DictReader(file)]
 
 
-def default_callbacks(workdir: str, *, max_to_keep: int = 3, monitors=()) -> list[keras.callbacks.Callback]:
-    """Checkpoints with resume, stop on NaN, telemetry, then the loggers (history.csv, TensorBoard).
+def default_callbacks(workdir: str, *, max_to_keep: int = 3, checkpoint_every_steps: int = 0, nan_retries: int = 2,
+                      max_consecutive_skips: int = 20, replica_check_every_steps: int = 100,
+                      monitors=()) -> list[keras.callbacks.Callback]:
+    """Guards (NaN, replica consistency), checkpoints with resume, telemetry, then the loggers.
 
-    Telemetry (loss scale, and `monitors` such as a kNN monitor) comes before the
-    loggers so its values are in the logs they write.
+    The guards run before the checkpoint so that a state they reject is not saved;
+    telemetry (loss scale, and `monitors` such as a kNN monitor) comes before the
+    loggers (history.csv, TensorBoard) so its values are in the logs they write.
     """
     os.makedirs(workdir, exist_ok=True)
+    checkpointing = Checkpointing(os.path.join(workdir, "checkpoints"), max_to_keep=max_to_keep, every_steps=checkpoint_every_steps)
     return [
-        Checkpointing(os.path.join(workdir, "checkpoints"), max_to_keep=max_to_keep),
-        keras.callbacks.TerminateOnNaN(),
+        NaNGuard(checkpointing, max_retries=nan_retries, max_consecutive_skips=max_consecutive_skips),
+        ReplicaConsistencyCheck(every_steps=replica_check_every_steps),
+        checkpointing,
         LossScaleMonitor(),
         *monitors,
         keras.callbacks.CSVLogger(os.path.join(workdir, HISTORY_FILE), append=True),
         keras.callbacks.TensorBoard(os.path.join(workdir, "tensorboard"), write_graph=False),
     ]
+

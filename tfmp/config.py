@@ -28,9 +28,10 @@ DATASETS = ("digits", "folder:PATH", "tfds:NAME", "synthetic")
 MODELS = ("small_cnn", "resnet18_cifar", "resnet50")
 OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
-# Fields that say *where* things are, not *what* is trained: they may change between
-# a run and its resumption without making the two incompatible.
-LOCATION_FIELDS = ("data_dir", "tpu")
+# Fields that say where things are or how a run is looked after, not what is trained:
+# they may change between a run and its resumption without making the two incompatible.
+CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps",
+                   "replica_check_every_steps")
 
 
 class UsageError(ValueError):
@@ -99,6 +100,10 @@ class Config:
     baseline_epochs: int = _field(200, "Epochs of the supervised baseline over the labeled subset.")
     baseline_learning_rate: float = _field(3e-3, "AdamW learning rate of the supervised baseline.")
     keep_checkpoints: int = _field(3, "How many checkpoints to keep under WORKDIR/checkpoints.")
+    checkpoint_every_steps: int = _field(0, "Also checkpoint every N optimizer steps (0: at epoch ends only).")
+    nan_retries: int = _field(2, "On a non-finite loss, restore the last good checkpoint this many times before failing.")
+    max_skipped_steps: int = _field(20, "fp16 steps skipped in a row (loss-scale overflow) that count as a failure.")
+    replica_check_every_steps: int = _field(100, "Check that all replicas hold identical variables every N steps (0: epoch ends only).")
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -109,7 +114,7 @@ class Config:
     def differences(self, other: "Config") -> list[str]:
         """Fields (other than locations) whose values differ, as `name: mine != theirs`."""
         mine, theirs = self.to_dict(), other.to_dict()
-        return [f"{key}: {theirs[key]!r} -> {mine[key]!r}" for key in mine if key not in LOCATION_FIELDS and mine[key] != theirs[key]]
+        return [f"{key}: {theirs[key]!r} -> {mine[key]!r}" for key in mine if key not in CHANGEABLE_ON_RESUME and mine[key] != theirs[key]]
 
 
 def _choice(name: str, value: str, choices) -> None:
@@ -148,6 +153,9 @@ def validate(config: Config) -> Config:
                         "noise_stddev": config.noise_stddev}.items():
         if value < 0:
             raise UsageError(f"{name} must be >= 0, got {value}")
+    for name in ("checkpoint_every_steps", "nan_retries", "max_skipped_steps", "replica_check_every_steps"):
+        if getattr(config, name) < 0:
+            raise UsageError(f"{name} must be >= 0, got {getattr(config, name)}")
     for name, value in {"learning_rate": config.learning_rate, "temperature": config.temperature,
                         "probe_learning_rate": config.probe_learning_rate, "baseline_learning_rate": config.baseline_learning_rate}.items():
         if value <= 0:

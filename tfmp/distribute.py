@@ -14,6 +14,9 @@ tfmp never runs a home-made cluster runtime: every name maps to TensorFlow's own
 `num_cpu_devices=N` splits the one physical CPU into N logical devices before TF
 initialises its runtime, so `mirrored` runs N replicas on a CPU: that is how tfmp
 shows, and tests, multi-replica behaviour on machines without accelerators.
+
+`check_replica_consistency` and `augmentation_streams_differ` verify the two RNG
+invariants of data parallelism: identical model copies, different augmentations.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmp import precision
@@ -151,3 +155,59 @@ def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
 def set_seed(seed: int) -> None:
     """Seeds Python, NumPy and TensorFlow (Keras' `set_random_seed`) for a reproducible run."""
     keras.utils.set_random_seed(seed)
+
+
+# ------------------------------------------------------------------- replica consistency
+
+
+def replica_values(variable) -> list:
+    """The per-replica copies of a (Keras or TF) variable, as NumPy arrays (one for plain variables)."""
+    strategy = tf.distribute.get_strategy()
+    tf_variable = getattr(variable, "value", variable)  # a Keras variable wraps the tf.Variable
+    if isinstance(tf_variable, tf.distribute.DistributedValues):
+        return [component.numpy() for component in tf_variable.values]
+    return [v.numpy() for v in strategy.experimental_local_results(tf_variable)]
+
+
+def check_replica_consistency(model, atol: float = 0.0) -> list[str]:
+    """Names (paths) of the model's variables whose per-replica copies differ.
+
+    Mirrored training keeps every replica's copy of every variable identical: same
+    initialisation, same all-reduced update. A difference means a broken invariant
+    (a replica-local update, a non-synchronised statistic, corrupted memory) that
+    would otherwise show up only as an unexplained accuracy gap.
+
+    Variables synchronised on read (e.g. the moving statistics of a BatchNorm that is
+    not synchronized, which Keras keeps per replica and averages when read) differ by
+    design and are not compared.
+
+    Args:
+        model: a Keras model, typically built under a multi-replica strategy.
+        atol: largest absolute difference tolerated (0: bit-identical).
+
+    Returns:
+        Variable paths, empty when all replicas agree.
+    """
+    differing = []
+    for variable in model.variables:
+        tf_variable = getattr(variable, "value", variable)
+        if getattr(tf_variable, "synchronization", None) == tf.VariableSynchronization.ON_READ:
+            continue
+        copies = replica_values(variable)
+        if any(not np.allclose(copy, copies[0], rtol=0.0, atol=atol, equal_nan=True) for copy in copies[1:]):
+            differing.append(getattr(variable, "path", variable.name))
+    return differing
+
+
+def augmentation_streams_differ(strategy: tf.distribute.Strategy, augment_fn, images) -> bool:
+    """Whether replicas augment *the same* images differently (they must, or data parallelism
+    multiplies one augmentation instead of drawing new ones).
+
+    Args:
+        strategy: the strategy whose replicas to compare.
+        augment_fn: images -> augmented images, run in replica context.
+        images: one batch, given identically to every replica.
+    """
+    results = strategy.experimental_local_results(strategy.run(tf.function(lambda: augment_fn(images))))
+    outputs = [np.asarray(result) for result in results]
+    return all(not np.allclose(outputs[i], outputs[j]) for i in range(len(outputs)) for j in range(i + 1, len(outputs)))

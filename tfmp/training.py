@@ -73,7 +73,10 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
         raise UsageError(f"global_batch_size {batch} exceeds the {count} training examples of {data.name}")
     config = config.replace(global_batch_size=batch)
     with strategy.scope():
-        encoder = encoder or models.build_encoder(config.model, data.image_shape, models.NormSettings(momentum=config.bn_momentum))
+        # Synchronized BatchNorm on several replicas: Keras keeps a plain BatchNorm's moving
+        # statistics per replica, so the replicas' copies drift apart (tests/test_guards.py).
+        norm = models.NormSettings(momentum=config.bn_momentum, synchronized=strategy.num_replicas_in_sync > 1)
+        encoder = encoder or models.build_encoder(config.model, data.image_shape, norm)
         model = models.build_classifier(encoder, data.num_classes)
         model.compile(
             optimizer=optimizers.make_optimizer(config, steps_per_epoch),
@@ -83,13 +86,13 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
     train = tfmp_data.classification_pipeline(data.train, batch, training=True, seed=config.seed, indices=indices)
     test = tfmp_data.classification_pipeline(data.test, batch, training=False)
 
-    callbacks = tfmp_callbacks.default_callbacks(directory, max_to_keep=config.keep_checkpoints)
-    checkpointing = next(c for c in callbacks if isinstance(c, tfmp_callbacks.Checkpointing))
+    callbacks = run_callbacks(config, directory)
     throughput = tfmp_callbacks.Throughput(batch)
     history = model.fit(train, epochs=config.epochs, validation_data=test, callbacks=[throughput, *callbacks, *extra_callbacks],
                         shuffle=False, verbose=verbosity())
     losses = history.history.get("loss", [])
-    check_finite(losses, config, checkpointing)
+    raise_if_failed(callbacks, losses)
+    checkpointing = find(callbacks, tfmp_callbacks.Checkpointing)
     evaluation = model.evaluate(test, return_dict=True, verbose=0)
     train_loss = losses[-1] if losses else model.evaluate(train, return_dict=True, verbose=0)["loss"]  # resumed when finished
     return {
@@ -103,14 +106,24 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
     }
 
 
-def check_finite(losses: list[float], config: Config, checkpointing: tfmp_callbacks.Checkpointing) -> None:
-    """Raises TrainingFailed with a diagnosis when the last epoch's loss is not finite."""
-    if losses and not math.isfinite(losses[-1]):
-        raise TrainingFailed(
-            f"training loss became {losses[-1]} in epoch {checkpointing.restored_epoch + len(losses)} under {config.precision}; "
-            "lower --learning_rate, or use mixed_bfloat16/float32 if fp16 overflowed. "
-            f"The last good checkpoint is in {checkpointing.directory}"
-        )
+def run_callbacks(config: Config, directory: str, monitors=()) -> list[keras.callbacks.Callback]:
+    """tfmp's callbacks for one training stage whose checkpoints and logs go to `directory`."""
+    return tfmp_callbacks.default_callbacks(directory, max_to_keep=config.keep_checkpoints, checkpoint_every_steps=config.checkpoint_every_steps,
+                                            nan_retries=config.nan_retries, max_consecutive_skips=config.max_skipped_steps,
+                                            replica_check_every_steps=config.replica_check_every_steps, monitors=monitors)
+
+
+def find(callbacks, kind):
+    return next(callback for callback in callbacks if isinstance(callback, kind))
+
+
+def raise_if_failed(callbacks, losses: list[float]) -> None:
+    """Raises TrainingFailed with the NaN guard's diagnosis when training diverged."""
+    guard = find(callbacks, tfmp_callbacks.NaNGuard)
+    if guard.diagnosis:
+        raise TrainingFailed(guard.diagnosis)
+    if losses and not math.isfinite(losses[-1]):  # e.g. the guard disabled with --nan_retries=0 and a finite restore
+        raise TrainingFailed(f"training loss ended at {losses[-1]}; {guard.diagnose()}")
 
 
 def train_supervised(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str,
@@ -175,7 +188,10 @@ def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
         raise UsageError(str(error)) from None
 
     run_directory.write_config(config, workdir)
-    task_metrics = _tasks()[config.task](config, data, strategy, workdir, extra_callbacks)
+    try:
+        task_metrics = _tasks()[config.task](config, data, strategy, workdir, extra_callbacks)
+    except tfmp_callbacks.ReplicaDivergenceError as error:
+        raise TrainingFailed(str(error)) from None
 
     metrics = {
         "task": config.task,

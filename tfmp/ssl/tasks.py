@@ -22,7 +22,7 @@ from tfmp.config import Config, UsageError
 from tfmp.data.augment import AugmentConfig
 from tfmp.ssl import guard, probes
 from tfmp.ssl.simclr import SimCLR
-from tfmp.training import check_finite, fit_classifier, loss_scale_metrics, verbosity
+from tfmp.training import find, fit_classifier, loss_scale_metrics, raise_if_failed, run_callbacks, verbosity
 
 logger = logging.getLogger(__name__)
 ENCODER_FILE = "encoder.keras"
@@ -101,13 +101,13 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
     knn = probes.KNNMonitor(encoder, tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=labeled),
                             tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False), data.num_classes,
                             every_epochs=config.knn_every_epochs)
-    callbacks = tfmp_callbacks.default_callbacks(workdir, max_to_keep=config.keep_checkpoints, monitors=[knn])
-    checkpointing = next(c for c in callbacks if isinstance(c, tfmp_callbacks.Checkpointing))
+    callbacks = run_callbacks(config, workdir, monitors=[knn])
+    checkpointing = find(callbacks, tfmp_callbacks.Checkpointing)
     throughput = tfmp_callbacks.Throughput(config.global_batch_size)
     history = model.fit(pretrain, epochs=config.epochs, callbacks=[throughput, *callbacks, *extra_callbacks], shuffle=False,
                         verbose=verbosity())
     losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(workdir)[-1:]]
-    check_finite(losses, config, checkpointing)
+    raise_if_failed(callbacks, losses)
     encoder.save(os.path.join(workdir, ENCODER_FILE))
 
     metrics = {

@@ -1,0 +1,131 @@
+"""Guardrails: the NaN guard, loss-scale collapse, replica consistency, augmentation streams."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmp import callbacks, distribute, models, optimizers, precision
+from tfmp.config import Config
+from tfmp.data import augment
+
+
+def test_absurd_learning_rate_stops_with_a_diagnosis_and_leaves_a_good_checkpoint(run_cli, tmp_path):
+    workdir = tmp_path / "run"
+    result = run_cli(f"--workdir={workdir}", "--precision=fp32", "--strategy=off", "--optimizer=sgd", "--learning_rate=1e8",
+                     "--warmup_epochs=3", "--epochs=3", "--checkpoint_every_steps=2")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("tfmp.train: error: training failed: training diverged")
+    assert "not a precision problem but divergence: lower --learning_rate" in last_line
+    assert not (workdir / "metrics.json").exists()
+
+    # The newest checkpoint is the last good one: it restores into a fresh model, all finite.
+    model = models.build_classifier(models.build_encoder("small_cnn", (8, 8, 1)), 10)
+    model.compile(optimizer=optimizers.make_optimizer(Config(optimizer="sgd", learning_rate=1e8, epochs=3), 11), loss="mse")
+    checkpointing = callbacks.Checkpointing(str(workdir / "checkpoints"))
+    checkpointing.set_model(model)
+    checkpointing.restore()
+    assert checkpointing.restored_step > 0
+    assert all(np.isfinite(weight).all() for weight in model.get_weights())
+
+
+def _overflowing_fp16_model(min_scale):
+    precision.set_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, kernel_initializer="ones"),
+                              keras.layers.Dense(1, dtype="float32", kernel_initializer="ones")])
+    # Scaled by 2**15, these gradients overflow float16 (max 65504) on every step.
+    model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(1e-6), initial_scale=2.0**15, min_scale=min_scale),
+                  loss="mse")
+    return model
+
+
+def test_persistent_fp16_overflow_keeps_the_floor_skips_every_step_and_is_diagnosed(tmp_path):
+    model = _overflowing_fp16_model(min_scale=2.0**14)
+    x, y = np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32)
+    model.optimizer.build(model.trainable_variables)
+    before = [w.copy() for w in model.get_weights()]
+    guard_callbacks = callbacks.default_callbacks(str(tmp_path), max_consecutive_skips=5)
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=guard_callbacks)
+    guard = next(c for c in guard_callbacks if isinstance(c, callbacks.NaNGuard))
+
+    assert precision.current_loss_scale(model.optimizer) == 2.0**14  # halved once, then held at the floor
+    assert precision.skipped_steps(model.optimizer) >= 6
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)  # every step was skipped
+    assert guard.diagnosis and "fp16 overflow" in guard.diagnosis and "mixed_bfloat16" in guard.diagnosis
+    assert model.stop_training
+
+
+def test_without_a_floor_the_scale_recovers_and_training_proceeds(tmp_path):
+    model = _overflowing_fp16_model(min_scale=1.0)
+    x, y = np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32)
+    guard_callbacks = callbacks.default_callbacks(str(tmp_path), max_consecutive_skips=50)
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=guard_callbacks)
+    guard = next(c for c in guard_callbacks if isinstance(c, callbacks.NaNGuard))
+    assert guard.diagnosis is None
+    assert precision.current_loss_scale(model.optimizer) < 2.0**15
+    assert precision.skipped_steps(model.optimizer) < 24  # some steps were applied
+
+
+def _mirrored_model(synchronized=True):
+    strategy = distribute.get_strategy("mirrored")
+    with strategy.scope():
+        norm = models.NormSettings(synchronized=synchronized)
+        model = models.build_classifier(models.build_encoder("small_cnn", (8, 8, 1), norm), 10)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return strategy, model
+
+
+def test_a_planted_replica_divergence_is_named():
+    strategy, model = _mirrored_model()
+    assert strategy.num_replicas_in_sync == 2
+    assert distribute.check_replica_consistency(model) == []
+    kernel = model.get_layer("logits").kernel
+    kernel.value.values[1].assign(kernel.value.values[1] + 1e-3)  # replica 1's copy only
+    assert distribute.check_replica_consistency(model) == [kernel.path]
+    assert distribute.check_replica_consistency(model, atol=1e-2) == []
+
+    check = callbacks.ReplicaConsistencyCheck(every_steps=1)
+    check.set_model(model)
+    with pytest.raises(callbacks.ReplicaDivergenceError, match=f"on 1 variable\\(s\\): {kernel.path}"):
+        check.on_epoch_end(0)
+
+
+def _train_one_epoch(model, checks=()):
+    x = np.random.default_rng(0).random((64, 8, 8, 1), dtype=np.float32)
+    model.fit(x, np.arange(64) % 10, batch_size=16, epochs=1, verbose=0, callbacks=list(checks))
+
+
+def test_training_on_two_replicas_with_synchronized_batchnorm_stays_consistent():
+    _, model = _mirrored_model(synchronized=True)
+    _train_one_epoch(model, [callbacks.ReplicaConsistencyCheck(every_steps=1)])
+    assert distribute.check_replica_consistency(model) == []
+
+
+def test_plain_batchnorm_lets_moving_statistics_drift_apart_and_the_check_says_so():
+    """Keras 3 keeps a non-synchronized BatchNorm's moving statistics per replica (mirrored,
+    aggregation NONE): each replica averages its own half-batches. tfmp therefore uses
+    synchronized BatchNorm on more than one replica; the check catches it elsewhere."""
+    _, model = _mirrored_model(synchronized=False)
+    _train_one_epoch(model)
+    differing = distribute.check_replica_consistency(model)
+    assert differing and all("moving_mean" in name or "moving_variance" in name for name in differing)
+
+
+def test_augmentation_streams_differ_across_replicas_only_when_seeded_by_replica():
+    strategy = distribute.get_strategy("mirrored")
+    images = tf.random.stateless_uniform((4, 8, 8, 1), seed=[0, 0])
+
+    def per_replica(batch):
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return augment.simclr_augment(batch, augment.step_seed(0, 0, replica))
+
+    def same_everywhere(batch):  # the classic mistake: one seed for every replica
+        return augment.simclr_augment(batch, augment.step_seed(0, 0, 0))
+
+    assert distribute.augmentation_streams_differ(strategy, per_replica, images)
+    assert not distribute.augmentation_streams_differ(strategy, same_everywhere, images)
