@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 from absl import flags
 
@@ -79,6 +80,7 @@ class Config:
     optimizer: str = _field("adamw", f"Optimizer: {', '.join(OPTIMIZERS)}.")
     weight_decay: float = _field(1e-4, "Decoupled weight decay.")
     bn_momentum: float = _field(0.9, "BatchNorm momentum (0.9 suits small data sets; Keras' default is 0.99).")
+    float32_layers: str = _field("", "Regular expression: layers whose names match stay float32 under a mixed policy.")
     loss_scale: str = _field("dynamic", "mixed_float16 loss scale: 'dynamic' or a fixed number.")
     initial_loss_scale: float = _field(2.0**15, "Starting dynamic loss scale (mixed_float16).")
     loss_scale_growth_steps: int = _field(2000, "Finite steps before the dynamic loss scale doubles.")
@@ -170,6 +172,11 @@ def validate(config: Config) -> Config:
             raise UsageError(f"--task={config.task} needs --encoder=PATH (an encoder.keras written by --task=simclr)")
         if not os.path.isfile(config.encoder):
             raise UsageError(f"encoder {config.encoder}: no such file")
+    if config.float32_layers:
+        try:
+            re.compile(config.float32_layers)
+        except re.error as error:
+            raise UsageError(f"float32_layers {config.float32_layers!r} is not a valid regular expression: {error}") from None
     if config.unlabeled_split and not config.dataset.startswith("tfds:"):
         raise UsageError(f"--unlabeled_split applies to tfds:NAME data sets only, not {config.dataset}")
     if not 0 <= config.bn_momentum < 1:

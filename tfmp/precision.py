@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import warnings
 
 import keras
@@ -269,3 +270,30 @@ def skipped_steps(optimizer) -> int | None:
         return None
     return int(_read(counter))
 
+
+
+def keep_float32(model: keras.Model, pattern: str) -> list[str]:
+    """Gives every leaf layer whose name matches the regular expression `pattern` a float32
+    policy (compute and variables), e.g. layers the precision doctor found overflowing.
+
+    Call right after building the model, before training. Keras casts a layer's inputs
+    to its compute dtype, so the float32 layers sit transparently in a mixed network.
+
+    Returns:
+        The names of the layers changed.
+
+    Raises:
+        ValueError: `pattern` is not a valid regular expression, or matches no layer.
+    """
+    try:
+        regex = re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"--float32_layers={pattern!r} is not a valid regular expression: {error}") from None
+    changed = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if not list(layer._flatten_layers(include_self=False)) and regex.search(layer.name):
+            layer.dtype_policy = FLOAT32
+            changed.append(layer.name)
+    if not changed:
+        raise ValueError(f"--float32_layers={pattern!r} matches no layer of {model.name}")
+    return changed

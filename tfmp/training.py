@@ -78,6 +78,7 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
         norm = models.NormSettings(momentum=config.bn_momentum, synchronized=strategy.num_replicas_in_sync > 1)
         encoder = encoder or models.build_encoder(config.model, data.image_shape, norm)
         model = models.build_classifier(encoder, data.num_classes)
+        apply_float32_layers(model, config)
         model.compile(
             optimizer=optimizers.make_optimizer(config, steps_per_epoch),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -104,6 +105,17 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
         "examples_per_second": throughput.examples_per_second,
         **loss_scale_metrics(model.optimizer),
     }
+
+
+def apply_float32_layers(model: keras.Model, config: Config) -> None:
+    """Applies `--float32_layers` (a no-op without it); a pattern matching nothing is a usage error."""
+    if not config.float32_layers:
+        return
+    try:
+        names = precision.keep_float32(model, config.float32_layers)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    logger.info("float32 layers: %s", ", ".join(names))
 
 
 def run_callbacks(config: Config, directory: str, monitors=()) -> list[keras.callbacks.Callback]:

@@ -22,7 +22,7 @@ from tfmp.config import Config, UsageError
 from tfmp.data.augment import AugmentConfig
 from tfmp.ssl import guard, probes
 from tfmp.ssl.simclr import SimCLR
-from tfmp.training import find, fit_classifier, loss_scale_metrics, raise_if_failed, run_callbacks, verbosity
+from tfmp.training import apply_float32_layers, find, fit_classifier, loss_scale_metrics, raise_if_failed, run_callbacks, verbosity
 
 logger = logging.getLogger(__name__)
 ENCODER_FILE = "encoder.keras"
@@ -89,6 +89,7 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
         model = SimCLR(encoder, num_classes=data.num_classes, projection_dim=config.projection_dim, temperature=config.temperature,
                        augment_config=augment_config(config), seed=config.seed, norm=norm)
         model.build((None, *data.image_shape))
+        apply_float32_layers(model, config)
         model.compile(optimizer=optimizers.make_optimizer(config, steps_per_epoch))
 
     warnings = guard.check(len(unlabeled), config.epochs, config.global_batch_size, encoder.count_params())

@@ -1,0 +1,70 @@
+"""The precision doctor and float32 layer overrides."""
+
+import keras
+import numpy as np
+import pytest
+
+from tfmp import doctor, models, precision, train
+from tfmp.diagnostics import precision_report
+
+
+def _planted_model():
+    """`hot` multiplies by 1e4 (its outputs overflow float16); `clean` brings values back down."""
+    return keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, kernel_initializer=keras.initializers.Constant(1e4), name="hot"),
+        keras.layers.Dense(3, kernel_initializer=keras.initializers.Constant(1e-6), name="clean"),
+    ])
+
+
+def test_a_planted_overflowing_layer_is_named_and_a_clean_one_is_not():
+    batches = [(np.full((16, 4), 10.0, np.float32), np.zeros(16, np.int64))] * 3
+    report = precision_report(_planted_model(), batches, steps=2)
+    assert report.overflowing_layers("float16") == ["hot"]
+    assert report.overflowing_layers("bfloat16") == []
+    hot = next(layer for layer in report.layers if layer.name == "hot")
+    assert hot.max_activation == pytest.approx(4e5) and hot.overflow["float16"] > 0
+    assert "hot" in report.table() and "clean" in report.table()
+    lowest, highest = report.loss_scale_range()
+    assert 1.0 <= lowest <= highest
+
+
+def test_the_report_leaves_the_model_as_it_was():
+    model = _planted_model()
+    calls = {layer.name: layer.call for layer in model.layers}
+    precision_report(model, [(np.ones((2, 4), np.float32), np.zeros(2, np.int64))], steps=1)
+    assert {layer.name: layer.call for layer in model.layers} == calls
+
+
+def test_keep_float32_by_regex():
+    precision.set_policy("mixed_float16")
+    model = models.build_classifier(models.build_encoder("small_cnn", (8, 8, 1)), 10)
+    changed = precision.keep_float32(model, r"^stage1_")
+    assert sorted(changed) == ["stage1_bn", "stage1_conv", "stage1_relu"]
+    encoder = model.get_layer("small_cnn")
+    assert encoder.get_layer("stage1_conv").compute_dtype == "float32"
+    assert encoder.get_layer("stage0_conv").compute_dtype == "float16"
+    assert model(np.zeros((2, 8, 8, 1), np.float32)).dtype == "float32"
+    with pytest.raises(ValueError, match="matches no layer"):
+        precision.keep_float32(model, "^nothing$")
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        precision.keep_float32(model, "(")
+
+
+def test_doctor_cli_reports_and_recommends(capsys):
+    assert doctor.main(["tfmp.doctor", "--flagfile=experiments/digits_supervised.cfg", "--steps=1"]) == 0
+    out = capsys.readouterr().out
+    assert "stage0_conv" in out and "recommendations:" in out
+    expected, _ = precision.resolve("auto")
+    assert f"--precision={expected} on this machine" in out
+
+
+def test_doctor_cli_usage_error(capsys):
+    assert doctor.main(["tfmp.doctor", "--model=vit"]) == 2
+    assert capsys.readouterr().err.strip() == "tfmp.doctor: error: unknown model 'vit'; valid: small_cnn, resnet18_cifar, resnet50"
+
+
+def test_float32_layers_flag_trains(tmp_path):
+    code = train.main(["tfmp.train", f"--workdir={tmp_path / 'run'}", "--epochs=1", "--precision=bf16", "--strategy=off",
+                       "--float32_layers=^logits$"])
+    assert code == 0

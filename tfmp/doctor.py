@@ -1,0 +1,102 @@
+"""`python -m tfmp.doctor --flagfile=experiments/X.cfg` — which precision, which float32 layers, which loss scale.
+
+Builds the configured model in float32, runs `--steps` batches of the configured data
+through it (forward and backward, no update), prints the per-layer report of
+`tfmp.diagnostics.precision_report`, and recommends: a precision for this hardware,
+float32 overrides (`--float32_layers`) for layers that would overflow in float16, and a
+loss-scale range. Takes the same flags as `tfmp.train` (unused ones are ignored).
+Exit codes: 0 report printed; 2 usage or input error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import flags  # noqa: E402
+
+from tfmp import config as tfmp_config  # noqa: E402
+
+FLAGS = flags.FlagValues()
+tfmp_config.define_flags(FLAGS)
+flags.DEFINE_integer("steps", 2, "Batches to analyse.", flag_values=FLAGS)
+flags.DEFINE_string("workdir", "", "Ignored (accepted so train command lines can be reused).", flag_values=FLAGS)
+
+PROGRAM = "tfmp.doctor"
+
+
+def recommendations(report, hardware_policy: str, hardware_reason: str) -> list[str]:
+    """What to change, from a report and what `auto` picks on this machine."""
+    advice = [f"precision: --precision={hardware_policy} on this machine ({hardware_reason})"]
+    overflowing = report.overflowing_layers("float16")
+    if overflowing:
+        pattern = "^(" + "|".join(re.escape(name) for name in overflowing) + ")$"
+        advice.append(f"float16 would overflow in {len(overflowing)} layer(s): {', '.join(overflowing)}; "
+                      f"under mixed_float16 keep them in float32: --float32_layers='{pattern}' (bfloat16 has float32's range)")
+    else:
+        advice.append("no layer overflows float16's range on these batches")
+    bf16_overflowing = report.overflowing_layers("bfloat16")
+    if bf16_overflowing:
+        advice.append(f"even bfloat16 overflows in {', '.join(bf16_overflowing)}: check the model's scale (normalisation, init)")
+    lowest, highest = report.loss_scale_range()
+    default = tfmp_config.Config().initial_loss_scale
+    start = f"the default --initial_loss_scale={default:g} is inside it" if lowest <= default <= highest else \
+        f"start there with --initial_loss_scale={highest:g}"
+    advice.append(f"mixed_float16 loss scale: between {lowest:g} and {highest:g}; {start}")
+    underflowing = report.underflowing_layers("float16")
+    if underflowing:
+        advice.append(f"without loss scaling, >1% of gradients would flush to zero in float16 in: {', '.join(underflowing)}")
+    return advice
+
+
+def main(argv: list[str]) -> int:
+    if any(arg in ("-h", "--help", "--helpfull") for arg in argv[1:]):
+        print(__doc__ + "\n" + FLAGS.get_help())
+        return 0
+    try:
+        leftover = FLAGS(argv)
+    except flags.Error as error:
+        print(f"{PROGRAM}: error: {str(error).splitlines()[0].removeprefix('ERROR::').strip()}", file=sys.stderr)
+        return 2
+    config, steps = tfmp_config.from_flags(FLAGS), FLAGS.steps
+    FLAGS.unparse_flags()
+    try:
+        if len(leftover) > 1:
+            raise tfmp_config.UsageError(f"unexpected arguments {' '.join(leftover[1:])}")
+        if steps < 1:
+            raise tfmp_config.UsageError(f"steps must be a positive integer, got {steps}")
+        config = tfmp_config.validate(config)
+    except tfmp_config.UsageError as error:
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        return 2
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from tfmp import data as tfmp_data, models, precision  # imports TensorFlow
+    from tfmp.diagnostics import precision_report
+
+    try:
+        data = tfmp_data.load(config.dataset, data_dir=config.data_dir or None, image_size=config.image_size, seed=config.seed)
+        precision.set_policy("float32")
+        model = models.build_classifier(models.build_encoder(config.model, data.image_shape,
+                                                             models.NormSettings(momentum=config.bn_momentum)), data.num_classes)
+    except ValueError as error:
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        return 2
+    batches = tfmp_data.classification_pipeline(data.train, min(config.global_batch_size, len(data.train)), training=True,
+                                                seed=config.seed)
+    report = precision_report(model, batches, steps=steps)
+    hardware_policy, reason = precision.resolve("auto")
+    print(f"precision doctor: {config.model} on {data.name}, {steps} batch(es) of {config.global_batch_size}, measured in float32\n")
+    print(report.table())
+    print("\nrecommendations:")
+    for line in recommendations(report, hardware_policy, reason):
+        print(f"- {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
