@@ -31,7 +31,7 @@ OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
-CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps",
+CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "dry_run", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps",
                    "replica_check_every_steps")
 
 
@@ -101,6 +101,7 @@ class Config:
     compare_supervised: bool = _field(False, "After pretraining, also train the encoder from scratch on the labeled subset.")
     baseline_epochs: int = _field(200, "Epochs of the supervised baseline over the labeled subset.")
     baseline_learning_rate: float = _field(3e-3, "AdamW learning rate of the supervised baseline.")
+    dry_run: bool = _field(False, "Build model and input pipeline, write WORKDIR/memory_estimate.json, and train nothing.")
     keep_checkpoints: int = _field(3, "How many checkpoints to keep under WORKDIR/checkpoints.")
     checkpoint_every_steps: int = _field(0, "Also checkpoint every N optimizer steps (0: at epoch ends only).")
     nan_retries: int = _field(2, "On a non-finite loss, restore the last good checkpoint this many times before failing.")

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     # otherwise bury the one-line error.
     try:
         config = tfmp_config.validate(config)
-        finished = run_directory.finished_metrics(config, workdir)
+        finished = None if config.dry_run else run_directory.finished_metrics(config, workdir)
     except tfmp_config.UsageError as error:
         return _fail(str(error), 2)
     if finished is not None:
@@ -71,6 +71,9 @@ def main(argv: list[str]) -> int:
     shown = ("precision", "strategy", "num_replicas", "train_loss", "eval_accuracy", "linear_probe_accuracy", "knn_accuracy",
              "supervised_baseline_accuracy")
     summary = {key: round(metrics[key], 4) if isinstance(metrics[key], float) else metrics[key] for key in shown if key in metrics}
+    if config.dry_run:
+        print(f"dry run: {os.path.join(workdir, run_directory.MEMORY_ESTIMATE_FILE)}")
+        return 0
     print(f"done: {os.path.join(workdir, 'metrics.json')} {summary}")
     return 0
 

@@ -144,6 +144,24 @@ def train_supervised(config: Config, data: tfmp_data.ImageData, strategy: tf.dis
     return fit_classifier(config, data, strategy, workdir, extra_callbacks=extra_callbacks)
 
 
+def dry_run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str) -> dict:
+    """`--dry_run`: builds the model and input pipeline, writes and prints the memory estimate
+    per replica (`WORKDIR/memory_estimate.json`), and trains nothing."""
+    from tfmp.diagnostics import memory
+
+    per_replica = distribute.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
+    next(iter(tfmp_data.classification_pipeline(data.train, config.global_batch_size, training=False).take(1)))  # the pipeline builds
+    with strategy.scope():
+        model = models.build_classifier(models.build_encoder(config.model, data.image_shape), data.num_classes)
+        apply_float32_layers(model, config)
+    views = 2 if config.task == "simclr" else 1
+    estimate = memory.estimate_memory(model, data.image_shape, per_replica, config.optimizer, views=views)
+    values = {"task": config.task, "model": config.model, "num_replicas": strategy.num_replicas_in_sync, **estimate.to_dict()}
+    run_directory.write_json(values, workdir, run_directory.MEMORY_ESTIMATE_FILE)
+    print(estimate.summary())
+    return values
+
+
 def _tasks() -> dict:
     from tfmp.ssl import tasks as ssl_tasks  # the SSL tasks build on this module
 
@@ -187,7 +205,7 @@ def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
     """
     started = time.perf_counter()
     config = validate(config)
-    finished = run_directory.finished_metrics(config, workdir)
+    finished = None if config.dry_run else run_directory.finished_metrics(config, workdir)
     if finished is not None:
         print(f"already finished: {os.path.join(workdir, 'metrics.json')} (nothing to do)")
         return finished
@@ -198,6 +216,8 @@ def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
                               unlabeled_split=config.unlabeled_split)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    if config.dry_run:
+        return dry_run(config, data, strategy, workdir)
 
     run_directory.write_config(config, workdir)
     try:

@@ -2,6 +2,7 @@
 
     WORKDIR/config.json     the resolved config (written before training starts)
     WORKDIR/metrics.json    final figures, flat JSON (written last, atomically)
+    WORKDIR/memory_estimate.json   what --dry_run estimated (nothing else is written then)
     WORKDIR/checkpoints/    tf.train checkpoints (see `tfmp.callbacks.Checkpointing`)
     WORKDIR/tensorboard/    TensorBoard scalars
 
@@ -18,6 +19,7 @@ from tfmp.config import Config, UsageError, load_json, save_json
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.json"
+MEMORY_ESTIMATE_FILE = "memory_estimate.json"
 
 
 def finished_metrics(config: Config, workdir: str) -> dict | None:
@@ -50,11 +52,16 @@ def write_config(config: Config, workdir: str) -> None:
     save_json(config, os.path.join(workdir, CONFIG_FILE))
 
 
-def write_metrics(metrics: dict, workdir: str) -> None:
-    """Writes metrics.json via a temporary file and a rename, so it is never half-written."""
-    path = os.path.join(workdir, METRICS_FILE)
+def write_json(values: dict, workdir: str, file_name: str) -> None:
+    """Writes WORKDIR/file_name via a temporary file and a rename, so it is never half-written."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, file_name)
     temporary = f"{path}.tmp"
     with open(temporary, "w", encoding="utf-8") as file:
-        json.dump(metrics, file, indent=2, sort_keys=True)
+        json.dump(values, file, indent=2, sort_keys=True)
         file.write("\n")
     os.replace(temporary, path)
+
+
+def write_metrics(metrics: dict, workdir: str) -> None:
+    write_json(metrics, workdir, METRICS_FILE)

@@ -7,9 +7,8 @@ overflow (above the format's largest finite value) or be flushed to zero (non-ze
 but below its smallest subnormal) in float16 and in bfloat16. Activations and their
 gradients are what a mixed policy computes in the low precision; weights stay float32.
 
-Layer outputs are captured by wrapping each leaf layer's `call` for the duration of
-the report (restored afterwards), so nested models (an encoder inside a classifier)
-are seen layer by layer.
+Layer outputs are captured with `layer_outputs.captured_outputs`, so nested models
+(an encoder inside a classifier) are seen layer by layer.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ import dataclasses
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tfmp.diagnostics.layer_outputs import captured_outputs
 
 # Largest finite value and smallest positive subnormal of each format.
 FORMATS = {
@@ -81,12 +82,6 @@ class PrecisionReport:
         return self.table()
 
 
-def _leaf_layers(model: keras.Model) -> list[keras.layers.Layer]:
-    layers = model._flatten_layers(include_self=False, recursive=True)
-    return [layer for layer in layers if not list(layer._flatten_layers(include_self=False))
-            and not isinstance(layer, keras.layers.InputLayer)]
-
-
 class _Accumulator:
     def __init__(self):
         self.max_activation = self.max_gradient = 0.0
@@ -120,23 +115,9 @@ def precision_report(model: keras.Model, data, steps: int = 2, loss_fn=None) -> 
         A `PrecisionReport`.
     """
     loss_fn = loss_fn or keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    leaves = _leaf_layers(model)
-    captured: list[tuple[str, tf.Tensor]] = []
-    originals = {}
-    for layer in leaves:
-        originals[layer] = layer.call
-
-        def recording_call(*args, _call=layer.call, _name=layer.name, **kwargs):
-            output = _call(*args, **kwargs)
-            if isinstance(output, tf.Tensor) and output.dtype.is_floating:
-                captured.append((_name, output))
-            return output
-
-        layer.call = recording_call
-
     accumulators: dict[str, _Accumulator] = {}
     all_gradients = []
-    try:
+    with captured_outputs(model) as captured:
         for step, (inputs, targets) in enumerate(data):
             if step >= steps:
                 break
@@ -154,9 +135,6 @@ def precision_report(model: keras.Model, data, steps: int = 2, loss_fn=None) -> 
                     nonzero = np.abs(gradient_values[gradient_values != 0])
                     if nonzero.size:
                         all_gradients.append(nonzero.astype(np.float64))
-    finally:
-        for layer, call in originals.items():
-            layer.call = call
 
     layers = [LayerStats(name, a.max_activation, a.max_gradient,
                          overflow={f: a.counts[f]["over"] / max(a.total, 1) for f in FORMATS},

@@ -1,0 +1,116 @@
+"""Memory estimate per replica, before training: will this model and batch fit?
+
+    total = params + gradients + optimizer state + activations
+
+* params, gradients: every variable is float32 under tfmp's policies (mixed policies
+  keep float32 weights), gradients for the trainable ones;
+* optimizer state: slots per trainable value (AdamW 2, SGD/LARS momentum 1);
+* activations: every leaf layer's output, kept for the backward pass, at the per-replica
+  batch, in the layer's *compute* dtype — 2 bytes under mixed_bfloat16/float16, which
+  is where mixed precision halves activation memory — plus the float32 copy Keras'
+  BatchNormalization keeps under 16-bit policies. Shapes come from one forward pass
+  on a single example.
+
+It does not count framework workspace (oneDNN/cuDNN scratch, XLA buffers), temporaries
+of fused ops, or the input pipeline; `measure_step_peak` measures a real step on this
+device so the estimate can be checked (BUILD_NOTES.md gives the measured ratio).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmp.diagnostics.layer_outputs import captured_outputs, leaf_layers
+
+OPTIMIZER_SLOTS = {"adamw": 2, "sgd": 1, "lars": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per replica."""
+
+    precision: str
+    per_replica_batch: int
+    params_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes}
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        return (f"memory per replica ({self.precision}, batch {self.per_replica_batch}): "
+                f"params {self.params_bytes / mib:.1f} MiB, gradients {self.gradients_bytes / mib:.1f} MiB, "
+                f"optimizer {self.optimizer_bytes / mib:.1f} MiB, activations {self.activations_bytes / mib:.1f} MiB, "
+                f"total {self.total_bytes / mib:.1f} MiB")
+
+
+def activation_bytes_per_example(model: keras.Model, input_shape: tuple[int, ...]) -> int:
+    """Bytes of all leaf-layer outputs for one example, in each layer's compute dtype.
+
+    Keras' BatchNormalization computes in float32 under a 16-bit policy (it casts its
+    input up and its output back), so the backward pass also keeps a float32 copy of a
+    BatchNorm's input: counted here, because it is what erodes bf16's memory saving.
+    """
+    batch_norms = {layer.name for layer in leaf_layers(model) if isinstance(layer, keras.layers.BatchNormalization)
+                   and layer.compute_dtype in ("float16", "bfloat16")}
+    with captured_outputs(model) as captured:
+        model(np.zeros((1, *input_shape), np.float32), training=False)
+    total = 0
+    for name, tensor in captured:
+        elements = int(np.prod(tensor.shape[1:]))
+        total += elements * tensor.dtype.size + (elements * 4 if name in batch_norms else 0)
+    return total
+
+
+def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replica_batch: int, optimizer: str = "adamw",
+                    views: int = 1) -> MemoryEstimate:
+    """Estimates one replica's training memory.
+
+    Args:
+        model: the model as it will train (built under the run's policy).
+        input_shape: one example's shape.
+        per_replica_batch: examples per replica per step.
+        optimizer: name in `OPTIMIZER_SLOTS`.
+        views: forward passes per example (2 for SimCLR's two views).
+    """
+    params = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
+    trainable = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
+    activations = activation_bytes_per_example(model, input_shape) * per_replica_batch * views
+    return MemoryEstimate(
+        precision=keras.mixed_precision.global_policy().name,
+        per_replica_batch=per_replica_batch,
+        params_bytes=params,
+        gradients_bytes=trainable,
+        optimizer_bytes=trainable * OPTIMIZER_SLOTS.get(optimizer, 2),
+        activations_bytes=activations,
+    )
+
+
+def measure_step_peak(model: keras.Model, images: np.ndarray, labels: np.ndarray, device: str = "CPU:0") -> int:
+    """Peak bytes allocated on `device` during one forward + backward pass, above what was
+    allocated before it (variables and the batch itself excluded)."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    images, labels = tf.constant(images), tf.constant(labels)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
+    step()  # trace and warm up outside the measurement
+    tf.config.experimental.reset_memory_stats(device)
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    step()
+    return tf.config.experimental.get_memory_info(device)["peak"] - before
