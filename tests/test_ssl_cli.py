@@ -46,7 +46,7 @@ def test_simclr_writes_the_ssl_metrics(pretrained):
     assert metrics["linear_probe_accuracy"] > 0.3  # far above chance (0.1) even after 2 epochs
     assert metrics["steps"] == 2 * (1437 // 128)
     assert metrics["labeled_examples"] == _labeled_count() and metrics["unlabeled_examples"] == 1437
-    assert len(metrics["linear_probe_accuracy_per_draw"]) == 3  # the preset's --label_draws
+    assert len(metrics["linear_probe_accuracy_per_draw"]) == 5  # the preset's --label_draws
     assert metrics["linear_probe_accuracy"] == pytest.approx(np.mean(metrics["linear_probe_accuracy_per_draw"]))
     with open(pretrained / "history.csv", encoding="utf-8") as file:
         assert "knn_accuracy" in file.readline()
