@@ -9,6 +9,8 @@ import csv
 import logging
 import math
 import os
+import signal
+import threading
 import time
 
 import keras
@@ -65,19 +67,44 @@ class Checkpointing(keras.callbacks.Callback):
             self._manager = tf.train.CheckpointManager(checkpoint, self.directory, max_to_keep=self.max_to_keep)
         return self._manager
 
+    @staticmethod
+    def readable(path: str) -> bool:
+        """Whether every tensor of the checkpoint at `path` can be read (a crash or a full disk
+        can leave a truncated data file behind an intact index)."""
+        try:
+            reader = tf.train.load_checkpoint(path)
+            for name in reader.get_variable_to_shape_map():
+                reader.get_tensor(name)
+        except Exception:  # noqa: BLE001 — a damaged file fails in many ways (OpError, IndexError, ...)
+            return False
+        return True
+
     @property
-    def latest(self) -> str | None:
-        return self._ensure_manager().latest_checkpoint
+    def usable(self) -> str | None:
+        """The newest checkpoint that reads completely, or None."""
+        for path in reversed(self._ensure_manager().checkpoints):
+            if self.readable(path):
+                return path
+            logger.warning("checkpoint %s is corrupted or truncated; trying the one before it", path)
+        return None
 
     def restore(self) -> int:
-        """Restores the newest checkpoint, if any; returns the number of epochs it had completed."""
+        """Restores the newest complete checkpoint, if any; returns the number of epochs it had completed.
+
+        A checkpoint that does not read completely is skipped before any variable is
+        touched; if none is usable, training starts over, with a warning.
+        """
         manager = self._ensure_manager()
-        if manager.latest_checkpoint is None:
+        if not manager.checkpoints:
             return 0
-        manager.checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        path = self.usable
+        if path is None:
+            logger.warning("no usable checkpoint in %s: starting over", self.directory)
+            return 0
+        manager.checkpoint.restore(path).assert_existing_objects_matched()
         self.restored_epoch = int(self._epoch.numpy())
         self.restored_step = int(self.model.optimizer.iterations.numpy())
-        logger.info("restored %s (epoch %d, step %d)", manager.latest_checkpoint, self.restored_epoch, self.restored_step)
+        logger.info("restored %s (epoch %d, step %d)", path, self.restored_epoch, self.restored_step)
         return self.restored_epoch
 
     def _save(self, completed_epochs: int, logs) -> None:
@@ -91,6 +118,12 @@ class Checkpointing(keras.callbacks.Callback):
             return
         self._epoch.assign(completed_epochs)
         self._manager.save(checkpoint_number=int(self.model.optimizer.iterations.numpy()))
+
+    def save_now(self, logs=None) -> bool:
+        """Saves the current step (mid-epoch); returns whether it was saved (finite state)."""
+        before = self._manager.latest_checkpoint
+        self._save(self._current_epoch, logs)
+        return self._manager.latest_checkpoint != before
 
     def on_train_begin(self, logs=None):
         epoch = self.restore()
@@ -149,12 +182,12 @@ class NaNGuard(keras.callbacks.Callback):
         step = int(self.model.optimizer.iterations.numpy())
         event = f"step {step}: " + (f"loss {loss}" if not math.isfinite(loss) else f"{self._skip_streak} fp16 steps skipped in a row")
         self.events.append(event)
-        if self.retries < self.max_retries and self.checkpointing.latest:
+        if self.retries < self.max_retries and self.checkpointing.usable:
             self.retries += 1
             self.checkpointing.restore()
             self.model.reset_metrics()
             self._skip_streak = 0
-            logger.warning("%s; restored %s (retry %d of %d)", event, self.checkpointing.latest, self.retries, self.max_retries)
+            logger.warning("%s; restored the last good checkpoint (retry %d of %d)", event, self.retries, self.max_retries)
             return
         self.diagnosis = self.diagnose()
         logger.error("%s", self.diagnosis)
@@ -174,7 +207,7 @@ class NaNGuard(keras.callbacks.Callback):
         else:
             cause = (f"under {policy} this is not a precision problem but divergence: lower --learning_rate "
                      f"(now {learning_rate:.3g}) or lengthen --warmup_epochs")
-        latest = self.checkpointing.latest
+        latest = self.checkpointing.usable
         where = f"the last good checkpoint is {latest}" if latest else "no good checkpoint was written before it"
         return f"{what}; {cause}; {where}"
 
@@ -224,6 +257,52 @@ class LossScaleMonitor(keras.callbacks.Callback):
         skipped = precision.skipped_steps(self.model.optimizer)
         if skipped is not None:
             logs["skipped_steps"] = skipped
+
+
+class Preempted(RuntimeError):
+    """SIGTERM arrived during training; the current step was checkpointed."""
+
+
+class PreemptionCheckpoint(keras.callbacks.Callback):
+    """On SIGTERM (the preemption notice of TPU VMs, spot GPUs, Kubernetes), saves a
+    checkpoint of the current step at the next step end and stops with `Preempted`.
+
+    The handler only sets a flag, so the step in flight finishes cleanly; rerunning the
+    same command resumes from that checkpoint. Installed for the duration of `fit()`
+    (when `fit()` runs in the main thread), the previous handler restored afterwards.
+    Single-process runs only: multi-worker runs need every worker to save at the same
+    step, which is what TF's `PreemptionCheckpointHandler` coordinates (not wired in yet).
+    """
+
+    def __init__(self, checkpointing: Checkpointing):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.requested = False
+        self._previous = None
+
+    def _request(self, signum, frame):
+        self.requested = True
+
+    def _uninstall(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def on_train_begin(self, logs=None):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._request)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.requested:
+            return
+        self._uninstall()
+        saved = self.checkpointing.save_now(logs)
+        step = int(self.model.optimizer.iterations.numpy())
+        raise Preempted(f"SIGTERM at step {step}: " + ("checkpoint saved" if saved else "state not finite, last good checkpoint kept")
+                        + "; rerun the same command to resume")
+
+    def on_train_end(self, logs=None):
+        self._uninstall()
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -283,6 +362,7 @@ def default_callbacks(workdir: str, *, max_to_keep: int = 3, checkpoint_every_st
         NaNGuard(checkpointing, max_retries=nan_retries, max_consecutive_skips=max_consecutive_skips),
         ReplicaConsistencyCheck(every_steps=replica_check_every_steps),
         checkpointing,
+        PreemptionCheckpoint(checkpointing),
         LossScaleMonitor(),
         *monitors,
         keras.callbacks.CSVLogger(os.path.join(workdir, HISTORY_FILE), append=True),

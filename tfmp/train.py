@@ -2,7 +2,8 @@
 
 Intentionally thin: parse flags into a `Config` and call `tfmp.training.run`.
 Exit codes: 0 done (or already finished); 2 usage or input error, as one line on
-stderr with nothing written; 1 training failed, with a diagnosis.
+stderr with nothing written; 1 training failed, with a diagnosis; 143 stopped by
+SIGTERM after checkpointing the current step (rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ tfmp_config.define_flags(FLAGS)
 flags.DEFINE_string("workdir", "", "Run directory: config.json, metrics.json, checkpoints/, tensorboard/.", flag_values=FLAGS)
 
 PROGRAM = "tfmp.train"
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
 
 
 def _fail(message: str, code: int) -> int:
@@ -61,6 +63,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("tfmp").setLevel(logging.INFO)
     from tfmp import training  # imports TensorFlow
+    from tfmp.callbacks import Preempted
 
     try:
         metrics = training.run(config, workdir)
@@ -68,6 +71,8 @@ def main(argv: list[str]) -> int:
         return _fail(str(error), 2)
     except training.TrainingFailed as error:
         return _fail(f"training failed: {error}", 1)
+    except Preempted as error:
+        return _fail(f"preempted: {error}", PREEMPTED_EXIT_CODE)
     shown = ("precision", "strategy", "num_replicas", "train_loss", "eval_accuracy", "linear_probe_accuracy", "knn_accuracy",
              "supervised_baseline_accuracy")
     summary = {key: round(metrics[key], 4) if isinstance(metrics[key], float) else metrics[key] for key in shown if key in metrics}

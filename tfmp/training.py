@@ -102,6 +102,7 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
         "eval_loss": float(evaluation["loss"]),
         "steps": int(model.optimizer.iterations.numpy()),
         "resumed_from_epoch": checkpointing.restored_epoch,
+        "resumed_from_step": checkpointing.restored_step,
         "examples_per_second": throughput.examples_per_second,
         **loss_scale_metrics(model.optimizer),
     }

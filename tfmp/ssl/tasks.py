@@ -115,6 +115,7 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
         "train_loss": float(losses[-1]),
         "steps": int(model.optimizer.iterations.numpy()),
         "resumed_from_epoch": checkpointing.restored_epoch,
+        "resumed_from_step": checkpointing.restored_step,
         "examples_per_second": throughput.examples_per_second,
         "unlabeled_examples": len(unlabeled),
         "small_data_warnings": warnings,

@@ -1,0 +1,98 @@
+"""Surviving kills: kill -9 and rerun resumes, SIGTERM saves and stops, a truncated checkpoint is skipped."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+
+ARGS = ["--flagfile=experiments/digits_supervised.cfg", "--epochs=10", "--checkpoint_every_steps=5", "--precision=bf16",
+        "--strategy=off"]
+STEPS = 10 * (1437 // 128)
+
+
+def _start(workdir):
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.Popen([sys.executable, "-m", "tfmp.train", *ARGS, f"--workdir={workdir}"], cwd=REPO, env=environment,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _checkpoint_steps(workdir):
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(directory) if (m := re.fullmatch(r"ckpt-(\d+)\.index", name)))
+
+
+def _wait_for_checkpoint(process, workdir, at_least, timeout=300):
+    """Polls (does not guess a sleep) until a checkpoint of step >= at_least exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = _checkpoint_steps(workdir)
+        if steps and steps[-1] >= at_least:
+            return steps[-1]
+        assert process.poll() is None, f"training ended early: {process.stderr.read()[-2000:]}"
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint of step >= {at_least} within {timeout}s")
+
+
+def _rerun(run_cli, workdir):
+    result = run_cli(*ARGS, f"--workdir={workdir}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(os.path.join(workdir, "metrics.json"), encoding="utf-8") as file:
+        return json.load(file), result.stderr
+
+
+def test_kill_9_then_rerun_resumes(run_cli, tmp_path):
+    workdir = str(tmp_path / "run")
+    process = _start(workdir)
+    reached = _wait_for_checkpoint(process, workdir, at_least=15)
+    process.kill()
+    process.wait(timeout=60)
+    assert not os.path.exists(os.path.join(workdir, "metrics.json"))
+
+    metrics, _ = _rerun(run_cli, workdir)
+    assert metrics["resumed_from_step"] >= reached > 0
+    assert metrics["steps"] >= STEPS  # the interrupted epoch is redone from its start
+    assert metrics["eval_accuracy"] >= 0.95  # an uninterrupted run of this preset reaches 0.99 (BUILD_NOTES.md)
+
+
+def test_sigterm_saves_the_current_step_and_the_rerun_resumes_from_it(run_cli, tmp_path):
+    workdir = str(tmp_path / "run")
+    process = _start(workdir)
+    _wait_for_checkpoint(process, workdir, at_least=10)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(timeout=60)
+    assert time.monotonic() - sent < 60
+    stderr = process.stderr.read()
+    assert code == 143, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    step = int(re.search(r"preempted: SIGTERM at step (\d+): checkpoint saved", last).group(1))
+    assert _checkpoint_steps(workdir)[-1] == step
+
+    metrics, _ = _rerun(run_cli, workdir)
+    assert metrics["resumed_from_step"] == step
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(run_cli, tmp_path):
+    workdir = str(tmp_path / "run")
+    process = _start(workdir)
+    _wait_for_checkpoint(process, workdir, at_least=20)
+    process.kill()
+    process.wait(timeout=60)
+    steps = _checkpoint_steps(workdir)
+    newest = os.path.join(workdir, "checkpoints", f"ckpt-{steps[-1]}.data-00000-of-00001")
+    with open(newest, "r+b") as file:
+        file.truncate(os.path.getsize(newest) // 2)
+
+    metrics, stderr = _rerun(run_cli, workdir)
+    assert f"ckpt-{steps[-1]} is corrupted or truncated" in stderr
+    assert metrics["resumed_from_step"] == steps[-2]
+    assert metrics["eval_accuracy"] >= 0.95
