@@ -39,14 +39,17 @@ class Checkpointing(keras.callbacks.Callback):
     Checkpoints are numbered by optimizer step: `ckpt-<step>`.
 
     Args:
-        directory: where checkpoints go (`WORKDIR/checkpoints`).
+        directory: where checkpoints go (`WORKDIR/checkpoints`) and are resumed from.
         max_to_keep: how many checkpoints to keep.
         every_steps: also save every this many optimizer steps (0: epoch ends only).
+        save_directory: write here instead (non-chief workers: every worker must take
+            part in saving, but only the chief's copy is kept).
     """
 
-    def __init__(self, directory: str, max_to_keep: int = 3, every_steps: int = 0):
+    def __init__(self, directory: str, max_to_keep: int = 3, every_steps: int = 0, save_directory: str | None = None):
         super().__init__()
         self.directory = directory
+        self.save_directory = save_directory or directory
         self.max_to_keep = max_to_keep
         self.every_steps = every_steps
         self.restored_epoch = 0
@@ -65,6 +68,8 @@ class Checkpointing(keras.callbacks.Callback):
             self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
             checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, epoch=self._epoch)
             self._manager = tf.train.CheckpointManager(checkpoint, self.directory, max_to_keep=self.max_to_keep)
+            self._save_manager = self._manager if self.save_directory == self.directory else \
+                tf.train.CheckpointManager(checkpoint, self.save_directory, max_to_keep=1)
         return self._manager
 
     @staticmethod
@@ -117,13 +122,13 @@ class Checkpointing(keras.callbacks.Callback):
                            "weights" if not finite_weights else f"loss {logs['loss']}")
             return
         self._epoch.assign(completed_epochs)
-        self._manager.save(checkpoint_number=int(self.model.optimizer.iterations.numpy()))
+        self._save_manager.save(checkpoint_number=int(self.model.optimizer.iterations.numpy()))
 
     def save_now(self, logs=None) -> bool:
         """Saves the current step (mid-epoch); returns whether it was saved (finite state)."""
-        before = self._manager.latest_checkpoint
+        before = self._save_manager.latest_checkpoint
         self._save(self._current_epoch, logs)
-        return self._manager.latest_checkpoint != before
+        return self._save_manager.latest_checkpoint != before
 
     def on_train_begin(self, logs=None):
         epoch = self.restore()
@@ -348,16 +353,23 @@ def logged_history(workdir: str) -> list[dict]:
 
 
 def default_callbacks(workdir: str, *, max_to_keep: int = 3, checkpoint_every_steps: int = 0, nan_retries: int = 2,
-                      max_consecutive_skips: int = 20, replica_check_every_steps: int = 100,
-                      monitors=()) -> list[keras.callbacks.Callback]:
+                      max_consecutive_skips: int = 20, replica_check_every_steps: int = 100, monitors=(),
+                      write_dir: str | None = None) -> list[keras.callbacks.Callback]:
     """Guards (NaN, replica consistency), checkpoints with resume, telemetry, then the loggers.
 
     The guards run before the checkpoint so that a state they reject is not saved;
     telemetry (loss scale, and `monitors` such as a kNN monitor) comes before the
     loggers (history.csv, TensorBoard) so its values are in the logs they write.
+
+    Args:
+        workdir: where checkpoints are resumed from (and, by default, everything is written).
+        write_dir: where checkpoints and logs are written instead: a non-chief worker of a
+            multi-worker run resumes from the chief's checkpoints but writes to scratch.
     """
-    os.makedirs(workdir, exist_ok=True)
-    checkpointing = Checkpointing(os.path.join(workdir, "checkpoints"), max_to_keep=max_to_keep, every_steps=checkpoint_every_steps)
+    write_dir = write_dir or workdir
+    os.makedirs(write_dir, exist_ok=True)
+    checkpointing = Checkpointing(os.path.join(workdir, "checkpoints"), max_to_keep=max_to_keep, every_steps=checkpoint_every_steps,
+                                  save_directory=os.path.join(write_dir, "checkpoints"))
     return [
         NaNGuard(checkpointing, max_retries=nan_retries, max_consecutive_skips=max_consecutive_skips),
         ReplicaConsistencyCheck(every_steps=replica_check_every_steps),
@@ -365,7 +377,7 @@ def default_callbacks(workdir: str, *, max_to_keep: int = 3, checkpoint_every_st
         PreemptionCheckpoint(checkpointing),
         LossScaleMonitor(),
         *monitors,
-        keras.callbacks.CSVLogger(os.path.join(workdir, HISTORY_FILE), append=True),
-        keras.callbacks.TensorBoard(os.path.join(workdir, "tensorboard"), write_graph=False),
+        keras.callbacks.CSVLogger(os.path.join(write_dir, HISTORY_FILE), append=True),
+        keras.callbacks.TensorBoard(os.path.join(write_dir, "tensorboard"), write_graph=False),
     ]
 

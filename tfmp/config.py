@@ -31,7 +31,7 @@ OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
-CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "dry_run", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps",
+CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "dry_run", "worker_hosts", "task_index", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps",
                    "replica_check_every_steps")
 
 
@@ -71,6 +71,8 @@ class Config:
     strategy: str = _field("auto", f"Distribution strategy: {', '.join(STRATEGIES)}.")
     num_cpu_devices: int = _field(0, "Split the CPU into this many logical devices (0: leave it whole).")
     tpu: str = _field("", "TPU for --strategy=tpu: 'local' on a TPU VM, empty on Colab, else a name or grpc:// address.")
+    worker_hosts: str = _field("", "multi_worker_mirrored: host:port of every worker, comma-separated (else TF_CONFIG is read).")
+    task_index: int = _field(0, "multi_worker_mirrored: this worker's index in --worker_hosts (0 is the chief).")
     global_batch_size: int = _field(128, "Examples per step, summed over all replicas.")
     epochs: int = _field(15, "Training epochs.")
     learning_rate: float = _field(3e-3, "Base learning rate (peak after warmup, then cosine decay; see --learning_rate_scaling).")
@@ -178,6 +180,14 @@ def validate(config: Config) -> Config:
             re.compile(config.float32_layers)
         except re.error as error:
             raise UsageError(f"float32_layers {config.float32_layers!r} is not a valid regular expression: {error}") from None
+    if config.worker_hosts:
+        hosts = config.worker_hosts.split(",")
+        if config.strategy != "multi_worker_mirrored":
+            raise UsageError(f"--worker_hosts needs --strategy=multi_worker_mirrored, not {config.strategy}")
+        if any(":" not in host for host in hosts):
+            raise UsageError(f"--worker_hosts must be host:port,host:port,..., got {config.worker_hosts!r}")
+        if not 0 <= config.task_index < len(hosts):
+            raise UsageError(f"--task_index must be in [0, {len(hosts) - 1}] for {len(hosts)} worker hosts, got {config.task_index}")
     if config.unlabeled_split and not config.dataset.startswith("tfds:"):
         raise UsageError(f"--unlabeled_split applies to tfds:NAME data sets only, not {config.dataset}")
     if not 0 <= config.bn_momentum < 1:

@@ -21,7 +21,9 @@ invariants of data parallelism: identical model copies, different augmentations.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import keras
 import numpy as np
@@ -81,7 +83,22 @@ def _tpu_strategy(tpu: str | None) -> tf.distribute.TPUStrategy:
     return tf.distribute.TPUStrategy(resolver)
 
 
-def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu: str | None = None) -> tf.distribute.Strategy:
+def set_tf_config(worker_hosts: list[str], task_index: int) -> None:
+    """Writes TF_CONFIG for a cluster of equal workers (worker 0 is the chief)."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": list(worker_hosts)}, "task": {"type": "worker", "index": task_index}})
+
+
+def is_chief(strategy: tf.distribute.Strategy) -> bool:
+    """Whether this process writes the run's files: always, except on non-chief workers of a multi-worker run."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return True
+    task_type, task_id = resolver.task_type, resolver.task_id
+    return task_type == "chief" or (task_type == "worker" and task_id == 0 and "chief" not in resolver.cluster_spec().as_dict())
+
+
+def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu: str | None = None,
+                 worker_hosts: list[str] | None = None, task_index: int = 0) -> tf.distribute.Strategy:
     """Returns the `tf.distribute.Strategy` called `name`.
 
     Args:
@@ -89,12 +106,22 @@ def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu:
         num_cpu_devices: split the CPU into this many logical devices first
             (only meaningful for `mirrored` / `auto` on a machine without GPUs).
         tpu: TPU address for `tpu` (see `_tpu_strategy`).
+        worker_hosts, task_index: the cluster for `multi_worker_mirrored` (written to
+            TF_CONFIG); without them TF_CONFIG is read as it is.
 
     Raises:
         ValueError: unknown name, or a TPU asked for but absent.
     """
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+    if name == "multi_worker_mirrored":
+        # Before anything lists devices: collectives must be configured before TF initialises.
+        if worker_hosts:
+            set_tf_config(worker_hosts, task_index)
+        if "TF_CONFIG" not in os.environ:
+            raise ValueError("strategy multi_worker_mirrored needs a cluster: set TF_CONFIG or pass --worker_hosts and --task_index")
+        # gRPC collectives: TF's own multi-worker runtime.
+        return tf.distribute.MultiWorkerMirroredStrategy()
     if num_cpu_devices:
         split_cpu(num_cpu_devices)
     gpus = tf.config.list_logical_devices("GPU")
@@ -117,8 +144,6 @@ def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu:
             return tf.distribute.MirroredStrategy([device.name for device in gpus])
         # NCCL is GPU-only; on logical CPUs reduce through one device.
         return tf.distribute.MirroredStrategy([device.name for device in cpus], cross_device_ops=tf.distribute.ReductionToOneDevice())
-    if name == "multi_worker_mirrored":
-        return tf.distribute.MultiWorkerMirroredStrategy()
     return _tpu_strategy(tpu)
 
 
@@ -211,3 +236,4 @@ def augmentation_streams_differ(strategy: tf.distribute.Strategy, augment_fn, im
     results = strategy.experimental_local_results(strategy.run(tf.function(lambda: augment_fn(images))))
     outputs = [np.asarray(result) for result in results]
     return all(not np.allclose(outputs[i], outputs[j]) for i in range(len(outputs)) for j in range(i + 1, len(outputs)))
+

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import keras
@@ -87,7 +89,7 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
     train = tfmp_data.classification_pipeline(data.train, batch, training=True, seed=config.seed, indices=indices)
     test = tfmp_data.classification_pipeline(data.test, batch, training=False)
 
-    callbacks = run_callbacks(config, directory)
+    callbacks = run_callbacks(config, directory, strategy=strategy)
     throughput = tfmp_callbacks.Throughput(batch)
     history = model.fit(train, epochs=config.epochs, validation_data=test, callbacks=[throughput, *callbacks, *extra_callbacks],
                         shuffle=False, verbose=verbosity())
@@ -119,11 +121,19 @@ def apply_float32_layers(model: keras.Model, config: Config) -> None:
     logger.info("float32 layers: %s", ", ".join(names))
 
 
-def run_callbacks(config: Config, directory: str, monitors=()) -> list[keras.callbacks.Callback]:
-    """tfmp's callbacks for one training stage whose checkpoints and logs go to `directory`."""
+def scratch_dir(directory: str) -> str:
+    """Where a non-chief worker writes what the chief writes to `directory` (removed by `run`)."""
+    return os.path.join(tempfile.gettempdir(), f"tfmp-worker-{os.getpid()}", os.path.abspath(directory).lstrip(os.sep))
+
+
+def run_callbacks(config: Config, directory: str, monitors=(), strategy: tf.distribute.Strategy | None = None):
+    """tfmp's callbacks for one training stage whose checkpoints and logs go to `directory`
+    (on a non-chief worker: resumed from there, written to scratch)."""
+    chief = strategy is None or distribute.is_chief(strategy)
     return tfmp_callbacks.default_callbacks(directory, max_to_keep=config.keep_checkpoints, checkpoint_every_steps=config.checkpoint_every_steps,
                                             nan_retries=config.nan_retries, max_consecutive_skips=config.max_skipped_steps,
-                                            replica_check_every_steps=config.replica_check_every_steps, monitors=monitors)
+                                            replica_check_every_steps=config.replica_check_every_steps, monitors=monitors,
+                                            write_dir=None if chief else scratch_dir(directory))
 
 
 def find(callbacks, kind):
@@ -179,13 +189,16 @@ def prepare(config: Config) -> tuple[Config, str, tf.distribute.Strategy]:
     Returns:
         `(config, policy_name, strategy)`.
     """
-    distribute.set_seed(config.seed)
     try:
+        # The strategy first: MultiWorkerMirroredStrategy must configure TF before anything else runs.
+        hosts = config.worker_hosts.split(",") if config.worker_hosts else None
+        strategy = distribute.get_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices or None, tpu=config.tpu or None,
+                                           worker_hosts=hosts, task_index=config.task_index)
         policy = precision.set_policy(config.precision)
-        strategy = distribute.get_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices or None, tpu=config.tpu or None)
         distribute.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
     except (ValueError, RuntimeError) as error:
         raise UsageError(str(error)) from None
+    distribute.set_seed(config.seed)
     return config, policy, strategy
 
 
@@ -220,11 +233,16 @@ def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
     if config.dry_run:
         return dry_run(config, data, strategy, workdir)
 
-    run_directory.write_config(config, workdir)
+    chief = distribute.is_chief(strategy)
+    if chief:
+        run_directory.write_config(config, workdir)
     try:
         task_metrics = _tasks()[config.task](config, data, strategy, workdir, extra_callbacks)
     except tfmp_callbacks.ReplicaDivergenceError as error:
         raise TrainingFailed(str(error)) from None
+    finally:
+        if not chief:
+            shutil.rmtree(os.path.join(tempfile.gettempdir(), f"tfmp-worker-{os.getpid()}"), ignore_errors=True)
 
     metrics = {
         "task": config.task,
@@ -242,5 +260,6 @@ def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
         "keras_version": keras.__version__,
         **task_metrics,
     }
-    run_directory.write_metrics(metrics, workdir)
+    if chief:
+        run_directory.write_metrics(metrics, workdir)
     return metrics

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import data as tfmp_data
-from tfmp import models, optimizers
+from tfmp import distribute, models, optimizers
 from tfmp.config import Config, UsageError
 from tfmp.data.augment import AugmentConfig
 from tfmp.ssl import guard, probes
@@ -102,14 +102,15 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
     knn = probes.KNNMonitor(encoder, tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=labeled),
                             tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False), data.num_classes,
                             every_epochs=config.knn_every_epochs)
-    callbacks = run_callbacks(config, workdir, monitors=[knn])
+    callbacks = run_callbacks(config, workdir, monitors=[knn], strategy=strategy)
     checkpointing = find(callbacks, tfmp_callbacks.Checkpointing)
     throughput = tfmp_callbacks.Throughput(config.global_batch_size)
     history = model.fit(pretrain, epochs=config.epochs, callbacks=[throughput, *callbacks, *extra_callbacks], shuffle=False,
                         verbose=verbosity())
     losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(workdir)[-1:]]
     raise_if_failed(callbacks, losses)
-    encoder.save(os.path.join(workdir, ENCODER_FILE))
+    if distribute.is_chief(strategy):
+        encoder.save(os.path.join(workdir, ENCODER_FILE))
 
     metrics = {
         "train_loss": float(losses[-1]),

@@ -1,0 +1,105 @@
+"""`python -m tfmp.launch --num_workers=N [tfmp.train flags...]` — multi-worker training on one machine.
+
+Starts N `python -m tfmp.train` worker processes on 127.0.0.1, each with free ports and
+its own `--worker_hosts/--task_index` (which `tfmp.train` turns into TF_CONFIG), so the
+run uses TensorFlow's own multi-worker runtime (`MultiWorkerMirroredStrategy`, gRPC
+collectives) exactly as it would across machines. Worker 0 is the chief: it alone
+writes config.json, metrics.json, checkpoints and the encoder to --workdir.
+
+Each worker's output is streamed with a `[worker i]` prefix. If a worker exits with
+an error, the others are stopped (they would otherwise wait for it forever), and the
+launcher exits with the worst exit code. Only loopback addresses are ever used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free TCP ports on the loopback interface."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((LOOPBACK, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _stream(process: subprocess.Popen, prefix: str) -> None:
+    for line in process.stdout:
+        sys.stdout.write(f"{prefix} {line}")
+        sys.stdout.flush()
+
+
+def exit_code(code: int) -> int:
+    """A process's return code as a shell reports it (killed by signal N: 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+def launch(num_workers: int, train_args: list[str], poll_seconds: float = 0.2) -> int:
+    """Runs the workers to completion; returns the launcher's exit code."""
+    hosts = ",".join(f"{LOOPBACK}:{port}" for port in free_ports(num_workers))
+    environment = dict(os.environ)
+    environment.pop("TF_CONFIG", None)  # each worker gets its own from --worker_hosts/--task_index
+    processes = []
+    for index in range(num_workers):
+        command = [sys.executable, "-m", "tfmp.train", *train_args, "--strategy=multi_worker_mirrored",
+                   f"--worker_hosts={hosts}", f"--task_index={index}"]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+        threading.Thread(target=_stream, args=(process, f"[worker {index}]"), daemon=True).start()
+        processes.append(process)
+
+    stopped = set()  # workers the launcher ended: their codes say nothing about the run
+    try:
+        while any(process.poll() is None for process in processes):
+            if any(process.returncode not in (None, 0) for process in processes):
+                for index, process in enumerate(processes):
+                    if process.poll() is None:
+                        process.terminate()  # a dead peer would leave them blocked in a collective forever
+                        stopped.add(index)
+                break
+            time.sleep(poll_seconds)
+    except KeyboardInterrupt:
+        for process in processes:
+            process.terminate()
+    codes = []
+    for process in processes:
+        try:
+            codes.append(exit_code(process.wait(timeout=60)))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            codes.append(exit_code(process.wait()))
+    failures = [code for index, code in enumerate(codes) if code and index not in stopped]
+    return max(failures or codes)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tfmp.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--num_workers", type=int, default=2, help="worker processes to start on 127.0.0.1")
+    args, train_args = parser.parse_known_args(argv[1:])
+    if args.num_workers < 1:
+        print(f"tfmp.launch: error: num_workers must be >= 1, got {args.num_workers}", file=sys.stderr)
+        return 2
+    bad = [arg for arg in train_args if arg.split("=")[0] in ("--strategy", "--worker_hosts", "--task_index", "--num_cpu_devices")]
+    if bad:
+        print(f"tfmp.launch: error: {' '.join(bad)} is set by the launcher; remove it", file=sys.stderr)
+        return 2
+    return launch(args.num_workers, train_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
