@@ -1,0 +1,40 @@
+"""`python -m tfmp.bench` on a tiny configuration."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+
+from conftest import REPO
+from tfmp import bench, models
+
+
+def test_bench_prints_one_json_line_per_precision():
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, "-m", "tfmp.bench", "--model=small_cnn", "--batch=8", "--steps=2", "--repeats=2",
+                             "--warmup=1", "--precision=fp32,bf16"], cwd=REPO, env=environment, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert [line["precision"] for line in lines] == ["float32", "mixed_bfloat16"]
+    for line in lines:
+        assert line["images_per_second"] > 0 and line["peak_rss_mb"] > 0 and line["gflops_per_second"] > 0
+        assert abs(line["step_time_ms"] - 8000 / line["images_per_second"]) < 0.1  # batch 8 / median step
+
+
+def test_analytic_flops_of_a_dense_layer():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")])
+    assert bench.forward_flops_per_example(model, (4,)) == 2 * 4 * 3
+
+
+def test_analytic_flops_of_the_cifar_resnet18_forward_pass():
+    # 0.56 GMACs for ResNet-18 on 32x32 CIFAR images (the commonly quoted figure): 1.11 GFLOPs.
+    flops = bench.forward_flops_per_example(models.build_encoder("resnet18_cifar", (32, 32, 3)), (32, 32, 3))
+    assert 1.05e9 < flops < 1.15e9
+
+
+def test_bench_usage_error(capsys):
+    assert bench.main(["tfmp.bench", "--model=vit"]) == 2
+    assert "unknown model 'vit'" in capsys.readouterr().err

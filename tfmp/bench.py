@@ -1,0 +1,167 @@
+"""`python -m tfmp.bench` — throughput and memory of the training step tfmp runs.
+
+    python -m tfmp.bench --model=resnet18_cifar --method=simclr --batch=64 --steps=20 --precision=float32,mixed_bfloat16
+
+For each precision, a fresh process (clean peak RSS, its own dtype policy) builds the
+model as tfmp trains it — `SimCLR` (two augmented views per image, NT-Xent) or the
+supervised classifier — on synthetic images, compiles Keras' own train function, runs
+`--warmup` steps, then `--repeats` timed runs of `--steps` steps, and prints one JSON line:
+
+    images_per_second   batch / median step time (images, not views)
+    step_time_ms        median over repeats of (run time / steps); step_time_spread = (max-min)/median
+    peak_rss_mb         the process's peak resident memory
+    gflops_per_second   training FLOPs per step / median step time
+
+FLOP source ("analytic"): 2 x multiply-accumulates of every Conv2D and Dense layer in the
+forward pass (from the layers' actual output shapes), x 3 for forward + backward, x 2
+views for SimCLR. Element-wise ops, BatchNorm and the loss are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+METHODS = ("simclr", "supervised")
+
+
+def forward_flops_per_example(model, input_shape) -> int:
+    """2 x MACs of Conv2D and Dense layers for one example (see module docstring)."""
+    import keras
+    import numpy as np
+
+    from tfmp.diagnostics.layer_outputs import captured_outputs, leaf_layers
+
+    kinds = {layer.name: layer for layer in leaf_layers(model) if isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense))}
+    with captured_outputs(model) as captured:
+        model(np.zeros((1, *input_shape), np.float32), training=False)
+    flops = 0
+    for name, output in captured:
+        layer = kinds.get(name)
+        if layer is None:
+            continue
+        kernel = layer.kernel.shape  # Conv2D: (kh, kw, c_in, c_out); Dense: (in, out)
+        macs_per_output = int(np.prod(kernel[:-1]))
+        flops += 2 * macs_per_output * int(np.prod(output.shape[1:]))
+    return flops
+
+
+def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, warmup: int, precision_name: str,
+            image_size: int, seed: int) -> dict:
+    """Measures one configuration in this process."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfmp import models, precision
+    from tfmp.data.augment import AugmentConfig
+    from tfmp.ssl.simclr import SimCLR
+
+    policy = precision.set_policy(precision_name)
+    keras.utils.set_random_seed(seed)
+    shape = (image_size, image_size, 3)
+    encoder = models.build_encoder(model_name, shape)
+    if method == "simclr":
+        model = SimCLR(encoder, projection_dim=128, temperature=0.5, augment_config=AugmentConfig(blur_probability=0.0))
+        model.build((None, *shape))
+        # The PyTorch peer's optimizer: SGD with momentum and weight decay.
+        model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)))
+        views = 2
+    else:
+        model = models.build_classifier(encoder, 10)
+        model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        views = 1
+    rng = np.random.default_rng(seed)
+    images = rng.random((batch, *shape), dtype=np.float32)
+    labels = rng.integers(0, 10, batch).astype(np.int32)
+    dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
+    iterator = iter(dataset)
+    model.make_train_function()
+    train_function = model.train_function
+
+    def run_steps(count):
+        logs = None
+        for _ in range(count):
+            logs = train_function(iterator)
+        float(logs["loss"])  # wait for the last step to finish
+
+    run_steps(warmup)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run_steps(steps)
+        times.append((time.perf_counter() - start) / steps)
+    median = statistics.median(times)
+    flops = 3 * views * batch * forward_flops_per_example(encoder if method == "simclr" else model, shape)
+    return {
+        "framework": f"tfmp (keras {keras.__version__}, tensorflow {tf.__version__})",
+        "model": model_name,
+        "method": method,
+        "precision": policy,
+        "batch": batch,
+        "steps": steps,
+        "repeats": repeats,
+        "step_time_ms": round(1000 * median, 2),
+        "step_time_spread": round((max(times) - min(times)) / median, 3),
+        "images_per_second": round(batch / median, 2),
+        "gflops_per_second": round(flops / median / 1e9, 1),
+        "flop_source": "analytic: 2 x MACs of Conv2D/Dense forward, x3 for training" + (", x2 views" if views == 2 else ""),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m tfmp.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet18_cifar")
+    parser.add_argument("--method", default="simclr", choices=METHODS)
+    parser.add_argument("--batch", type=int, default=64, help="images per step (SimCLR: two views each)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--precision", default="float32,mixed_bfloat16", help="comma-separated precisions")
+    parser.add_argument("--image_size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--in_process", action="store_true", help="measure one precision in this process (used internally)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv[1:])
+    from tfmp import config
+
+    try:
+        precisions = [config.canonical_precision(name) for name in args.precision.split(",")]
+        if args.model not in config.MODELS:
+            raise config.UsageError(f"unknown model {args.model!r}; valid: {', '.join(config.MODELS)}")
+        for name in ("batch", "steps", "repeats"):
+            if getattr(args, name) < 1:
+                raise config.UsageError(f"{name} must be a positive integer, got {getattr(args, name)}")
+    except config.UsageError as error:
+        print(f"tfmp.bench: error: {error}", file=sys.stderr)
+        return 2
+    if args.in_process:
+        result = run_one(args.model, args.method, args.batch, args.steps, args.repeats, args.warmup, precisions[0], args.image_size,
+                         args.seed)
+        print(json.dumps(result), flush=True)
+        return 0
+    code = 0
+    for precision_name in precisions:
+        command = [sys.executable, "-m", "tfmp.bench", *argv[1:], f"--precision={precision_name}", "--in_process"]
+        result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+        sys.stdout.write(result.stdout)
+        sys.stdout.flush()
+        code = max(code, result.returncode)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
