@@ -121,9 +121,14 @@ def apply_float32_layers(model: keras.Model, config: Config) -> None:
     logger.info("float32 layers: %s", ", ".join(names))
 
 
+def scratch_root() -> str:
+    """This process's scratch folder on a non-chief worker (removed by `run` at the end)."""
+    return os.path.join(tempfile.gettempdir(), f"tfmp-worker-{os.getpid()}")
+
+
 def scratch_dir(directory: str) -> str:
-    """Where a non-chief worker writes what the chief writes to `directory` (removed by `run`)."""
-    return os.path.join(tempfile.gettempdir(), f"tfmp-worker-{os.getpid()}", os.path.abspath(directory).lstrip(os.sep))
+    """Where a non-chief worker writes what the chief writes to `directory`."""
+    return os.path.join(scratch_root(), os.path.abspath(directory).lstrip(os.sep))
 
 
 def run_callbacks(config: Config, directory: str, monitors=(), strategy: tf.distribute.Strategy | None = None):
@@ -242,7 +247,7 @@ def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
         raise TrainingFailed(str(error)) from None
     finally:
         if not chief:
-            shutil.rmtree(os.path.join(tempfile.gettempdir(), f"tfmp-worker-{os.getpid()}"), ignore_errors=True)
+            shutil.rmtree(scratch_root(), ignore_errors=True)
 
     metrics = {
         "task": config.task,

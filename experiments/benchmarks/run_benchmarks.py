@@ -1,0 +1,102 @@
+"""Runs the throughput/memory matrix of the SimCLR step and draws it.
+
+    python experiments/benchmarks/run_benchmarks.py --precisions=float32,mixed_bfloat16 --batches=64,256 \
+        --rounds=3 --out=runs/bench
+
+Each round runs every configuration once (a fresh `python -m tfmp.bench` process each),
+in an order that rotates between rounds, so slow drift of the machine hits all
+configurations alike. When PyTorch is importable, the peer benchmark
+`shared/bench/torch_simclr_peer.py` (same model, batch and step) runs in the same rounds.
+Writes OUT/results.json (every measurement), OUT/summary.json (median per configuration)
+and OUT/benchmark.png (images/s and peak memory), and prints the summary as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEER = os.path.join(HERE, "..", "..", "..", "shared", "bench", "torch_simclr_peer.py")
+
+
+def tfmp_command(precision, batch, steps):
+    return [sys.executable, "-m", "tfmp.bench", "--model=resnet18_cifar", "--method=simclr", f"--batch={batch}",
+            f"--steps={steps}", "--repeats=1", f"--precision={precision}"]
+
+
+def peer_command(precision, batch, steps):
+    short = {"float32": "fp32", "mixed_bfloat16": "bf16"}[precision]
+    return [sys.executable, PEER, f"--precision={short}", f"--batch={batch}", f"--steps={steps}"]
+
+
+def measure(command) -> dict:
+    result = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precisions", default="float32,mixed_bfloat16")
+    parser.add_argument("--batches", default="64")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    have_torch = importlib.util.find_spec("torch") is not None and os.path.exists(PEER)
+    configs = [("tfmp", p, int(b)) for b in args.batches.split(",") for p in args.precisions.split(",")]
+    if have_torch:
+        configs += [("torch", p, b) for _, p, b in list(configs) if p in ("float32", "mixed_bfloat16")]
+    results = []
+    for round_index in range(args.rounds):
+        shift = round_index % len(configs)
+        for framework, precision, batch in configs[shift:] + configs[:shift]:
+            command = (tfmp_command if framework == "tfmp" else peer_command)(precision, batch, args.steps)
+            print("$", " ".join(command[1:]), file=sys.stderr, flush=True)
+            row = measure(command)
+            row.update(runner=framework, precision=precision, round=round_index)
+            results.append(row)
+    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as file:
+        json.dump(results, file, indent=1)
+
+    summary = []
+    for framework, precision, batch in configs:
+        rows = [r for r in results if (r["runner"], r["precision"], r["batch"]) == (framework, precision, batch)]
+        speeds = [r["images_per_second"] for r in rows]
+        summary.append({"runner": framework, "precision": precision, "batch": batch,
+                        "images_per_second": statistics.median(speeds),
+                        "spread": (max(speeds) - min(speeds)) / statistics.median(speeds),
+                        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rows) if "peak_rss_mb" in rows[0] else None})
+    with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as file:
+        json.dump(summary, file, indent=1)
+    print("| runner | precision | batch | images/s (median) | spread | peak RSS MB |")
+    print("|---|---|---|---|---|---|")
+    for row in summary:
+        print(f"| {row['runner']} | {row['precision']} | {row['batch']} | {row['images_per_second']:.1f} | {row['spread']:.1%} | "
+              f"{row['peak_rss_mb'] if row['peak_rss_mb'] is not None else 'n/a'} |")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['runner']}\n{r['precision'].replace('mixed_', '')}\nB={r['batch']}" for r in summary]
+    figure, (speed_axis, memory_axis) = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(summary)), 4))
+    speed_axis.bar(labels, [r["images_per_second"] for r in summary], color="tab:blue")
+    speed_axis.set_title("SimCLR ResNet-18 step: images/s (median)")
+    memory_axis.bar(labels, [r["peak_rss_mb"] or 0 for r in summary], color="tab:orange")
+    memory_axis.set_title("peak RSS (MB)")
+    figure.tight_layout()
+    figure.savefig(os.path.join(args.out, "benchmark.png"), dpi=100)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
