@@ -47,7 +47,7 @@ def loss_scale_metrics(optimizer) -> dict:
 
 
 def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, directory: str, *,
-                   indices=None, encoder: keras.Model | None = None, extra_callbacks=()) -> dict:
+                   indices=None, encoder: keras.Model | None = None, extra_callbacks=(), validate_every: int = 1) -> dict:
     """Trains encoder + linear classifier on the train split (or its `indices`); evaluates on test.
 
     Args:
@@ -59,6 +59,9 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
             larger than the subset is reduced to fit it.
         encoder: start from this encoder (fine-tuning) instead of a new one.
         extra_callbacks: Keras callbacks added after tfmp's own.
+        validate_every: evaluate on the test split every this many epochs (the
+            supervised baseline's one-step epochs would otherwise spend most of their
+            time validating).
 
     Returns:
         `train_loss`, `eval_accuracy`, `eval_loss`, `steps`, `resumed_from_epoch`,
@@ -91,8 +94,8 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
 
     callbacks = run_callbacks(config, directory, strategy=strategy)
     throughput = tfmp_callbacks.Throughput(batch)
-    history = model.fit(train, epochs=config.epochs, validation_data=test, callbacks=[throughput, *callbacks, *extra_callbacks],
-                        shuffle=False, verbose=verbosity())
+    history = model.fit(train, epochs=config.epochs, validation_data=test, validation_freq=validate_every,
+                        callbacks=[throughput, *callbacks, *extra_callbacks], shuffle=False, verbose=verbosity())
     losses = history.history.get("loss", [])
     raise_if_failed(callbacks, losses)
     checkpointing = find(callbacks, tfmp_callbacks.Checkpointing)

@@ -127,7 +127,7 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
         per_draw = []
         for draw in range(config.label_draws):
             baseline = fit_classifier(baseline_config(config), data, strategy, os.path.join(workdir, "baseline", f"draw{draw}"),
-                                      indices=labeled_indices(config, data, draw))
+                                      indices=labeled_indices(config, data, draw), validate_every=config.baseline_epochs)
             per_draw.append({"supervised_baseline_accuracy": baseline["eval_accuracy"]})
         metrics.update(mean_over_draws(per_draw))
     return metrics
