@@ -90,9 +90,9 @@ def main() -> int:
     labels = [f"{r['runner']}\n{r['precision'].replace('mixed_', '')}\nB={r['batch']}" for r in summary]
     figure, (speed_axis, memory_axis) = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(summary)), 4))
     speed_axis.bar(labels, [r["images_per_second"] for r in summary], color="tab:blue")
-    speed_axis.set_title("SimCLR ResNet-18 step: images/s (median)")
+    speed_axis.set_title("SimCLR ResNet-18 step: images/s (median)", fontsize=9)
     memory_axis.bar(labels, [r["peak_rss_mb"] or 0 for r in summary], color="tab:orange")
-    memory_axis.set_title("peak RSS (MB)")
+    memory_axis.set_title("peak RSS (MB)", fontsize=9)
     figure.tight_layout()
     figure.savefig(os.path.join(args.out, "benchmark.png"), dpi=100)
     return 0
