@@ -323,6 +323,10 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
         super().__init__()
         self.every_steps = every_steps
         self.atol = atol
+        self._active = False
+
+    def on_train_begin(self, logs=None):
+        self._active = self.model.distribute_strategy.num_replicas_in_sync > 1
 
     def _check(self):
         if self.model.distribute_strategy.num_replicas_in_sync < 2:
@@ -333,7 +337,8 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
             raise ReplicaDivergenceError(f"replicas disagree at step {step} on {len(differing)} variable(s): {', '.join(differing)}")
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.every_steps and int(self.model.optimizer.iterations.numpy()) % self.every_steps == 0:
+        # Checked first so one-replica runs never read the step counter back to the host.
+        if self._active and self.every_steps and int(self.model.optimizer.iterations.numpy()) % self.every_steps == 0:
             self._check()
 
     def on_epoch_end(self, epoch, logs=None):
