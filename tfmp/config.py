@@ -237,6 +237,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         _DEFINERS[types[field.type]](field.name, field.default, field.metadata["help"], flag_values=flag_values)
 
 
+def flag_error_message(error: flags.Error) -> str:
+    """absl's flag-parsing error as one line (absl prefixes some with "ERROR::")."""
+    return f"{str(error).splitlines()[0].removeprefix('ERROR::').strip()} (see --help for the flags)"
+
+
 def from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Config:
     """The `Config` given by parsed flags."""
     return Config(**{field.name: flag_values[field.name].value for field in dataclasses.fields(Config)})

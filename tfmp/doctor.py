@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     try:
         leftover = FLAGS(argv)
     except flags.Error as error:
-        print(f"{PROGRAM}: error: {str(error).splitlines()[0].removeprefix('ERROR::').strip()}", file=sys.stderr)
+        print(f"{PROGRAM}: error: {tfmp_config.flag_error_message(error)}", file=sys.stderr)
         return 2
     config, steps = tfmp_config.from_flags(FLAGS), FLAGS.steps
     FLAGS.unparse_flags()

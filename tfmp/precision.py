@@ -25,11 +25,10 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfmp.config import PRECISION_NAMES, PRECISIONS, canonical_precision as canonical_name
+from tfmp.config import PRECISIONS, canonical_precision as canonical_name
 
 FLOAT32, MIXED_FLOAT16, MIXED_BFLOAT16 = PRECISIONS
 AUTO = "auto"
-VALID_NAMES = PRECISION_NAMES
 
 logger = logging.getLogger(__name__)
 

@@ -41,8 +41,7 @@ def main(argv: list[str]) -> int:
     try:
         leftover = FLAGS(argv)
     except flags.Error as error:
-        message = str(error).splitlines()[0].removeprefix("ERROR::").strip()
-        return _fail(f"{message} (see --help for the flags)", 2)
+        return _fail(tfmp_config.flag_error_message(error), 2)
     if len(leftover) > 1:
         return _fail(f"unexpected arguments {' '.join(leftover[1:])}; flags take the form --name=value", 2)
 
