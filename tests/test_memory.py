@@ -29,10 +29,25 @@ def test_bf16_activations_take_at_most_0_6_of_float32_without_batchnorm():
     assert bfloat16.params_bytes == float32.params_bytes  # weights stay float32
 
 
-def test_batchnorm_float32_copies_are_counted_under_bf16():
-    """Keras' BatchNormalization computes in float32 under bf16: that copy is real memory."""
-    float32 = memory.estimate_memory(_classifier("float32"), (8, 8, 1), 64)
-    bfloat16 = memory.estimate_memory(_classifier("mixed_bfloat16"), (8, 8, 1), 64)
+@pytest.mark.parametrize("name, shape", [("small_cnn", (8, 8, 1)), ("resnet18_cifar", (32, 32, 3))])
+def test_bf16_activations_take_at_most_0_6_of_float32_for_tfmp_models(name, shape):
+    """tfmp's BatchNormalization keeps 16-bit inputs 16-bit, so BN models halve too."""
+    float32 = memory.estimate_memory(_classifier("float32", name, shape), shape, 64)
+    bfloat16 = memory.estimate_memory(_classifier("mixed_bfloat16", name, shape), shape, 64)
+    assert bfloat16.activations_bytes <= 0.6 * float32.activations_bytes
+
+
+def _keras_batchnorm_net(policy):
+    precision.set_policy(policy)
+    return keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(32, 3, padding="same", use_bias=False),
+                             keras.layers.BatchNormalization(), keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D(),
+                             keras.layers.Dense(10, dtype="float32")])
+
+
+def test_keras_batchnorm_float32_copies_are_counted_under_bf16():
+    """Keras' own BatchNormalization computes in float32 under bf16: that copy is real memory."""
+    float32 = memory.estimate_memory(_keras_batchnorm_net("float32"), (16, 16, 3), 64)
+    bfloat16 = memory.estimate_memory(_keras_batchnorm_net("mixed_bfloat16"), (16, 16, 3), 64)
     assert 0.6 < bfloat16.activations_bytes / float32.activations_bytes < 1.0
 
 
@@ -58,3 +73,13 @@ def test_dry_run_writes_the_estimate_and_trains_nothing(tmp_path, capsys):
     parts = ("params_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes")
     assert values["total_bytes"] == sum(values[key] for key in parts) and values["per_replica_batch"] == 64
     assert values["optimizer_bytes"] == 2 * values["gradients_bytes"]  # AdamW: two slots
+
+
+def test_dry_run_estimate_follows_remat(tmp_path):
+    activations = {}
+    for remat in ("none", "blocks"):
+        workdir = tmp_path / remat
+        assert train.main(["tfmp.train", f"--workdir={workdir}", "--dry_run", "--precision=fp32", "--strategy=off",
+                           "--model=resnet18_cifar", "--global_batch_size=64", f"--remat={remat}"]) == 0
+        activations[remat] = json.loads((workdir / "memory_estimate.json").read_text())["activations_bytes"]
+    assert activations["blocks"] < 0.7 * activations["none"]

@@ -54,8 +54,9 @@ def test_simclr_writes_the_ssl_metrics(pretrained):
     assert any("pretraining steps" in warning for warning in metrics["small_data_warnings"])
 
 
-def test_encoder_loads_in_safe_mode_after_import_tfmp(pretrained):
-    code = ("import tfmp, keras, numpy as np; "
+def test_encoder_loads_in_safe_mode_after_import_tfmp_models(pretrained):
+    """The encoder holds tfmp's BatchNormalization: importing tfmp.models registers it."""
+    code = ("import tfmp.models, keras, numpy as np; "
             f"encoder = keras.saving.load_model({str(pretrained / 'encoder.keras')!r}, safe_mode=True); "
             "print(encoder(np.zeros((2, 8, 8, 1), 'float32')).shape)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

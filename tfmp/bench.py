@@ -2,14 +2,16 @@
 
     python -m tfmp.bench --model=resnet18_cifar --method=simclr --batch=64 --steps=20 --precision=float32,mixed_bfloat16
 
-For each precision, a fresh process (clean peak RSS, its own dtype policy) builds the
+For each precision (and --remat mode), a fresh process (clean peak RSS, its own dtype policy) builds the
 model as tfmp trains it — `SimCLR` (two augmented views per image, NT-Xent) or the
 supervised classifier — on synthetic images, compiles Keras' own train function, runs
 `--warmup` steps, then `--repeats` timed runs of `--steps` steps, and prints one JSON line:
 
     images_per_second   batch / median step time (images, not views)
     step_time_ms        median over repeats of (run time / steps); step_time_spread = (max-min)/median
-    peak_rss_mb         the process's peak resident memory
+    peak_rss_mb         the process's peak resident memory (TensorFlow runtime included)
+    peak_tensor_mb      peak bytes held by TensorFlow's CPU allocator during the timed steps
+                        (tensors only: activations, gradients, weights, optimizer state)
     gflops_per_second   training FLOPs per step / median step time
 
 FLOP source ("analytic"): 2 x multiply-accumulates of every Conv2D and Dense layer in the
@@ -55,7 +57,7 @@ def forward_flops_per_example(model, input_shape) -> int:
 
 
 def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, warmup: int, precision_name: str,
-            image_size: int, seed: int) -> dict:
+            image_size: int, seed: int, remat: str = "none") -> dict:
     """Measures one configuration in this process."""
     import keras
     import numpy as np
@@ -68,7 +70,7 @@ def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, 
     policy = precision.set_policy(precision_name)
     keras.utils.set_random_seed(seed)
     shape = (image_size, image_size, 3)
-    encoder = models.build_encoder(model_name, shape)
+    encoder = models.build_encoder(model_name, shape, remat=remat)
     if method == "simclr":
         model = SimCLR(encoder, projection_dim=128, temperature=0.5, augment_config=AugmentConfig(blur_probability=0.0))
         model.build((None, *shape))
@@ -95,6 +97,7 @@ def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, 
         float(logs["loss"])  # wait for the last step to finish
 
     run_steps(warmup)
+    tf.config.experimental.reset_memory_stats("CPU:0")
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -107,6 +110,7 @@ def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, 
         "model": model_name,
         "method": method,
         "precision": policy,
+        "remat": remat,
         "batch": batch,
         "steps": steps,
         "repeats": repeats,
@@ -116,6 +120,7 @@ def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, 
         "gflops_per_second": round(flops / median / 1e9, 1),
         "flop_source": "analytic: 2 x MACs of Conv2D/Dense forward, x3 for training" + (", x2 views" if views == 2 else ""),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_tensor_mb": round(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20, 1),
     }
 
 
@@ -129,6 +134,7 @@ def parse(argv):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--precision", default="float32,mixed_bfloat16", help="comma-separated precisions")
     parser.add_argument("--image_size", type=int, default=32)
+    parser.add_argument("--remat", default="none", help="comma-separated activation checkpointing modes: none, blocks, full")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--in_process", action="store_true", help="measure one precision in this process (used internally)")
     return parser.parse_args(argv)
@@ -140,6 +146,10 @@ def main(argv: list[str]) -> int:
 
     try:
         precisions = [config.canonical_precision(name) for name in args.precision.split(",")]
+        remats = args.remat.split(",")
+        for remat in remats:
+            if remat not in config.REMAT_MODES:
+                raise config.UsageError(f"unknown remat mode {remat!r}; valid: {', '.join(config.REMAT_MODES)}")
         if args.model not in config.MODELS:
             raise config.UsageError(f"unknown model {args.model!r}; valid: {', '.join(config.MODELS)}")
         for name in ("batch", "steps", "repeats"):
@@ -150,16 +160,18 @@ def main(argv: list[str]) -> int:
         return 2
     if args.in_process:
         result = run_one(args.model, args.method, args.batch, args.steps, args.repeats, args.warmup, precisions[0], args.image_size,
-                         args.seed)
+                         args.seed, remats[0])
         print(json.dumps(result), flush=True)
         return 0
     code = 0
     for precision_name in precisions:
-        command = [sys.executable, "-m", "tfmp.bench", *argv[1:], f"--precision={precision_name}", "--in_process"]
-        result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
-        sys.stdout.write(result.stdout)
-        sys.stdout.flush()
-        code = max(code, result.returncode)
+        for remat in remats:
+            command = [sys.executable, "-m", "tfmp.bench", *argv[1:], f"--precision={precision_name}", f"--remat={remat}",
+                       "--in_process"]
+            result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+            sys.stdout.write(result.stdout)
+            sys.stdout.flush()
+            code = max(code, result.returncode)
     return code
 
 

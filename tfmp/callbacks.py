@@ -54,6 +54,7 @@ class Checkpointing(keras.callbacks.Callback):
         self.every_steps = every_steps
         self.restored_epoch = 0
         self.restored_step = 0
+        self.nonfinite_state_step: int | None = None
         self._manager = None
         self._epoch = None
         self._current_epoch = 0
@@ -120,9 +121,19 @@ class Checkpointing(keras.callbacks.Callback):
         if not finite_weights or (logs and not math.isfinite(float(logs.get("loss", 0.0)))):
             logger.warning("non-finite %s: checkpoint not saved (the last good one stays the newest)",
                            "weights" if not finite_weights else f"loss {logs['loss']}")
+            if not finite_weights:
+                self.nonfinite_state_step = int(self.model.optimizer.iterations.numpy())
             return
         self._epoch.assign(completed_epochs)
         self._save_manager.save(checkpoint_number=int(self.model.optimizer.iterations.numpy()))
+
+    def take_nonfinite_state_step(self) -> int | None:
+        """The step at which a save was refused for non-finite weights since the last call, if any.
+
+        With BatchNorm, a diverged model can keep a finite (huge) loss while its weights
+        or statistics are already inf/NaN; `NaNGuard` treats this as divergence too."""
+        step, self.nonfinite_state_step = self.nonfinite_state_step, None
+        return step
 
     def save_now(self, logs=None) -> bool:
         """Saves the current step (mid-epoch); returns whether it was saved (finite state)."""
@@ -149,8 +160,10 @@ class Checkpointing(keras.callbacks.Callback):
 class NaNGuard(keras.callbacks.Callback):
     """Catches divergence: restores the last good checkpoint and retries, then stops with a diagnosis.
 
-    Triggers on a non-finite loss, or on more than `max_consecutive_skips` steps in a
-    row skipped by fp16 loss scaling (the scale cannot find a working value). Each
+    Triggers on a non-finite loss, on non-finite weights or statistics found when a
+    checkpoint is due (a BatchNorm model can diverge with a huge but finite loss), or on
+    more than `max_consecutive_skips` steps in a row skipped by fp16 loss scaling (the
+    scale cannot find a working value). Each
     trigger restores the newest checkpoint (which `Checkpointing` guarantees is
     finite) and goes on, up to `max_retries` times, as Model Garden's recovery does;
     then training stops and `diagnosis` names the likely cause. The CLI turns a
@@ -182,10 +195,23 @@ class NaNGuard(keras.callbacks.Callback):
         if skipped is not None:
             self._skip_streak = self._skip_streak + 1 if skipped > self._skipped else 0
             self._skipped = skipped
-        if math.isfinite(loss) and self._skip_streak <= self.max_consecutive_skips:
-            return
         step = int(self.model.optimizer.iterations.numpy())
-        event = f"step {step}: " + (f"loss {loss}" if not math.isfinite(loss) else f"{self._skip_streak} fp16 steps skipped in a row")
+        nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
+        if not math.isfinite(loss):
+            self._recover(f"step {step}: loss {loss}")
+        elif nonfinite_state_step is not None:
+            self._recover(f"step {nonfinite_state_step}: non-finite weights (loss {loss:.3g})")
+        elif self._skip_streak > self.max_consecutive_skips:
+            self._recover(f"step {step}: {self._skip_streak} fp16 steps skipped in a row")
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Checkpointing's epoch-end save runs first (callback order) and may have refused.
+        nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
+        if nonfinite_state_step is not None and not self.model.stop_training:
+            self._recover(f"step {nonfinite_state_step}: non-finite weights at the end of epoch {epoch + 1}")
+
+    def _recover(self, event: str) -> None:
+        """Restores the last good checkpoint, or stops with a diagnosis when retries are used up."""
         self.events.append(event)
         if self.retries < self.max_retries and self.checkpointing.usable:
             self.retries += 1

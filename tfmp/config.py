@@ -29,6 +29,7 @@ DATASETS = ("digits", "folder:PATH", "tfds:NAME", "synthetic")
 MODELS = ("small_cnn", "resnet18_cifar", "resnet50")
 OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
+REMAT_MODES = ("none", "blocks", "full")
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
 CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "dry_run", "worker_hosts", "task_index", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps",
@@ -81,6 +82,8 @@ class Config:
     warmup_epochs: float = _field(1.0, "Linear learning-rate warmup, in epochs.")
     optimizer: str = _field("adamw", f"Optimizer: {', '.join(OPTIMIZERS)}.")
     weight_decay: float = _field(1e-4, "Decoupled weight decay.")
+    remat: str = _field("none", f"Activation checkpointing: {', '.join(REMAT_MODES)} (blocks: recompute each residual "
+                                "block in the backward pass; full: Keras' RematScope on every layer).")
     bn_momentum: float = _field(0.9, "BatchNorm momentum (0.9 suits small data sets; Keras' default is 0.99).")
     float32_layers: str = _field("", "Regular expression: layers whose names match stay float32 under a mixed policy.")
     loss_scale: str = _field("dynamic", "mixed_float16 loss scale: 'dynamic' or a fixed number.")
@@ -139,6 +142,7 @@ def validate(config: Config) -> Config:
     _choice("model", config.model, MODELS)
     _choice("optimizer", config.optimizer, OPTIMIZERS)
     _choice("learning_rate_scaling", config.learning_rate_scaling, LEARNING_RATE_SCALINGS)
+    _choice("remat", config.remat, REMAT_MODES)
     precision = canonical_precision(config.precision)
     dataset = config.dataset
     if dataset.startswith("folder:"):

@@ -81,7 +81,7 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
         # Synchronized BatchNorm on several replicas: Keras keeps a plain BatchNorm's moving
         # statistics per replica, so the replicas' copies drift apart (tests/test_guards.py).
         norm = models.NormSettings(momentum=config.bn_momentum, synchronized=strategy.num_replicas_in_sync > 1)
-        encoder = encoder or models.build_encoder(config.model, data.image_shape, norm)
+        encoder = encoder or models.build_encoder(config.model, data.image_shape, norm, remat=config.remat)
         model = models.build_classifier(encoder, data.num_classes)
         apply_float32_layers(model, config)
         model.compile(
@@ -171,7 +171,10 @@ def dry_run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.S
     per_replica = distribute.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
     next(iter(tfmp_data.classification_pipeline(data.train, config.global_batch_size, training=False).take(1)))  # the pipeline builds
     with strategy.scope():
-        model = models.build_classifier(models.build_encoder(config.model, data.image_shape), data.num_classes)
+        # The same BatchNorm settings and checkpointing as training: both change what is kept.
+        norm = models.NormSettings(momentum=config.bn_momentum, synchronized=strategy.num_replicas_in_sync > 1 or config.task == "simclr")
+        encoder = models.build_encoder(config.model, data.image_shape, norm, remat=config.remat)
+        model = models.build_classifier(encoder, data.num_classes)
         apply_float32_layers(model, config)
     views = 2 if config.task == "simclr" else 1
     estimate = memory.estimate_memory(model, data.image_shape, per_replica, config.optimizer, views=views)

@@ -7,9 +7,11 @@
 * optimizer state: slots per trainable value (AdamW 2, SGD/LARS momentum 1);
 * activations: every leaf layer's output, kept for the backward pass, at the per-replica
   batch, in the layer's *compute* dtype — 2 bytes under mixed_bfloat16/float16, which
-  is where mixed precision halves activation memory — plus the float32 copy Keras'
-  BatchNormalization keeps under 16-bit policies. Shapes come from one forward pass
-  on a single example.
+  is where mixed precision halves activation memory — plus the float32 copy that
+  Keras' own BatchNormalization keeps under 16-bit policies (tfmp's fused
+  `BatchNormalization` keeps none). Shapes come from one forward pass on a single example.
+  With activation checkpointing (`--remat`), a checkpointed block counts its output,
+  and the largest block's activations once (they are recomputed one block at a time).
 
 It does not count framework workspace (oneDNN/cuDNN scratch, XLA buffers), temporaries
 of fused ops, or the input pipeline; `measure_step_peak` measures a real step on this
@@ -25,6 +27,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp.diagnostics.layer_outputs import captured_outputs, leaf_layers
+from tfmp.models.layers import BatchNormalization
+from tfmp.models.remat import CheckpointedBlock
 
 OPTIMIZER_SLOTS = {"adamw": 2, "sgd": 1, "lars": 1}
 
@@ -61,16 +65,43 @@ def activation_bytes_per_example(model: keras.Model, input_shape: tuple[int, ...
     Keras' BatchNormalization computes in float32 under a 16-bit policy (it casts its
     input up and its output back), so the backward pass also keeps a float32 copy of a
     BatchNorm's input: counted here, because it is what erodes bf16's memory saving.
+    tfmp's `BatchNormalization` on its fused path keeps the input in its own dtype.
     """
-    batch_norms = {layer.name for layer in leaf_layers(model) if isinstance(layer, keras.layers.BatchNormalization)
-                   and layer.compute_dtype in ("float16", "bfloat16")}
+    batch_norms = {layer.name for layer in leaf_layers(model) if _keeps_float32_copy(layer)}
     with captured_outputs(model) as captured:
         model(np.zeros((1, *input_shape), np.float32), training=False)
-    total = 0
+    kept = {}
     for name, tensor in captured:
         elements = int(np.prod(tensor.shape[1:]))
-        total += elements * tensor.dtype.size + (elements * 4 if name in batch_norms else 0)
-    return total
+        kept[name] = elements * tensor.dtype.size + (elements * 4 if name in batch_norms else 0)
+    return _kept_bytes(model, kept)
+
+
+def _kept_bytes(model: keras.Model, leaf_bytes: dict[str, int]) -> int:
+    """Activation bytes alive at the backward pass's peak, with activation checkpointing.
+
+    Without it, every leaf output is kept. A checkpointed block (`--remat`) keeps only its
+    output during the forward pass; in the backward pass its activations come back one
+    block at a time, so the largest block's own (recursive) figure is added once.
+    """
+    kept, largest_recomputed = 0, 0
+    for layer in model.layers:
+        if isinstance(layer, CheckpointedBlock) and layer.remat:
+            kept += leaf_bytes.get(layer.block.layers[-1].name, 0)
+            largest_recomputed = max(largest_recomputed, _kept_bytes(layer.block, leaf_bytes))
+        elif isinstance(layer, CheckpointedBlock):
+            kept += _kept_bytes(layer.block, leaf_bytes)
+        elif isinstance(layer, keras.Model):
+            kept += _kept_bytes(layer, leaf_bytes)
+        else:
+            kept += leaf_bytes.get(layer.name, 0)
+    return kept + largest_recomputed
+
+
+def _keeps_float32_copy(layer: keras.layers.Layer) -> bool:
+    if not isinstance(layer, keras.layers.BatchNormalization) or layer.compute_dtype not in ("float16", "bfloat16"):
+        return False
+    return not (isinstance(layer, BatchNormalization) and layer.uses_fused_kernel)
 
 
 def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replica_batch: int, optimizer: str = "adamw",

@@ -12,6 +12,7 @@ import keras
 from tfmp.config import MODELS
 from tfmp.models.cnn import small_cnn
 from tfmp.models.layers import NormSettings
+from tfmp.models.remat import check_mode
 from tfmp.models.resnet import resnet18_cifar, resnet50
 
 ENCODERS = {"small_cnn": small_cnn, "resnet18_cifar": resnet18_cifar, "resnet50": resnet50}
@@ -19,8 +20,11 @@ MINIMUM_IMAGE_SIZE = {"small_cnn": 8, "resnet18_cifar": 8, "resnet50": 32}
 assert tuple(ENCODERS) == MODELS, "tfmp.config.MODELS must list exactly the encoders built here"
 
 
-def build_encoder(name: str, input_shape: tuple[int, int, int], norm: NormSettings = NormSettings()) -> keras.Model:
+def build_encoder(name: str, input_shape: tuple[int, int, int], norm: NormSettings = NormSettings(),
+                  remat: str = "none") -> keras.Model:
     """Builds the encoder called `name` for images of `input_shape`.
+
+    `remat` is the activation checkpointing mode (`tfmp.models.remat`): none, blocks, full.
 
     Raises:
         ValueError: unknown name, or images too small for it.
@@ -29,7 +33,8 @@ def build_encoder(name: str, input_shape: tuple[int, int, int], norm: NormSettin
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(ENCODERS)}")
     if min(input_shape[:2]) < MINIMUM_IMAGE_SIZE[name]:
         raise ValueError(f"model {name} needs images of at least {MINIMUM_IMAGE_SIZE[name]}px, got {input_shape[0]}; set --image_size")
-    return ENCODERS[name](input_shape, norm=norm)
+    check_mode(remat)
+    return ENCODERS[name](input_shape, norm=norm, remat=remat)
 
 
 def build_classifier(encoder: keras.Model, num_classes: int, name: str = "classifier") -> keras.Model:

@@ -3,7 +3,8 @@
 Written here rather than taken from `keras.applications` because tfmp needs control
 that the applications do not give: synchronized BatchNorm (SimCLR across replicas),
 BatchNorm momentum for small data sets, and block boundaries for activation
-checkpointing. `resnet18_cifar` is the same network as the PyTorch peer benchmark
+checkpointing (`remat="blocks"` makes each residual block one checkpointed segment,
+`"full"` also each stage). `resnet18_cifar` is the same network as the PyTorch peer benchmark
 (`shared/bench/torch_simclr_peer.py`), so the two can be timed side by side.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import keras
 
 from tfmp.models.layers import NormSettings, batch_norm, conv, conv_bn_relu
+from tfmp.models.remat import checkpointed
 
 
 def basic_block(x, filters: int, strides: int, norm: NormSettings, name: str):
@@ -41,25 +43,33 @@ def bottleneck_block(x, filters: int, strides: int, norm: NormSettings, name: st
     return keras.layers.ReLU(name=f"{name}_out")(x)
 
 
-def _resnet(inputs, x, block, blocks_per_stage, norm: NormSettings, name: str) -> keras.Model:
+def _stage(x, block, filters: int, num_blocks: int, first_strides: int, norm: NormSettings, name: str, block_remat: str):
+    for index in range(num_blocks):
+        strides = first_strides if index == 0 else 1
+        x = checkpointed(block, x, name=f"{name}_block{index}", remat=block_remat, filters=filters, strides=strides, norm=norm)
+    return x
+
+
+def _resnet(inputs, x, block, blocks_per_stage, norm: NormSettings, name: str, remat: str) -> keras.Model:
     for stage, (filters, num_blocks) in enumerate(zip((64, 128, 256, 512), blocks_per_stage)):
-        for index in range(num_blocks):
-            strides = 2 if stage > 0 and index == 0 else 1
-            x = block(x, filters, strides, norm, name=f"stage{stage}_block{index}")
+        # remat="full": each stage is a checkpointed segment around its checkpointed blocks.
+        stage_remat = "blocks" if remat == "full" else "none"
+        x = checkpointed(_stage, x, name=f"stage{stage}", remat=stage_remat, block=block, filters=filters, num_blocks=num_blocks,
+                         first_strides=2 if stage > 0 else 1, norm=norm, block_remat="none" if remat == "none" else "blocks")
     features = keras.layers.GlobalAveragePooling2D(name="pool")(x)
     return keras.Model(inputs, features, name=name)
 
 
-def resnet18_cifar(input_shape: tuple[int, int, int], norm: NormSettings = NormSettings()) -> keras.Model:
+def resnet18_cifar(input_shape: tuple[int, int, int], norm: NormSettings = NormSettings(), remat: str = "none") -> keras.Model:
     """ResNet-18 for small images: 3x3 stride-1 stem, no max-pool, 512 features."""
     inputs = keras.Input(input_shape, name="images")
     x = conv_bn_relu(inputs, 64, 3, norm, name="stem")
-    return _resnet(inputs, x, basic_block, (2, 2, 2, 2), norm, "resnet18_cifar")
+    return _resnet(inputs, x, basic_block, (2, 2, 2, 2), norm, "resnet18_cifar", remat)
 
 
-def resnet50(input_shape: tuple[int, int, int], norm: NormSettings = NormSettings()) -> keras.Model:
+def resnet50(input_shape: tuple[int, int, int], norm: NormSettings = NormSettings(), remat: str = "none") -> keras.Model:
     """ResNet-50 (v1.5: stride in the 3x3 conv): 7x7 stride-2 stem, max-pool, 2048 features."""
     inputs = keras.Input(input_shape, name="images")
     x = conv_bn_relu(inputs, 64, 7, norm, strides=2, name="stem")
     x = keras.layers.MaxPooling2D(3, strides=2, padding="same", name="stem_pool")(x)
-    return _resnet(inputs, x, bottleneck_block, (3, 4, 6, 3), norm, "resnet50")
+    return _resnet(inputs, x, bottleneck_block, (3, 4, 6, 3), norm, "resnet50", remat)

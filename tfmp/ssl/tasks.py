@@ -85,7 +85,7 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
     labeled = labeled_indices(config, data)
     norm = models.NormSettings(momentum=config.bn_momentum, synchronized=True)
     with strategy.scope():
-        encoder = models.build_encoder(config.model, data.image_shape, norm)
+        encoder = models.build_encoder(config.model, data.image_shape, norm, remat=config.remat)
         model = SimCLR(encoder, num_classes=data.num_classes, projection_dim=config.projection_dim, temperature=config.temperature,
                        augment_config=augment_config(config), seed=config.seed, norm=norm)
         model.build((None, *data.image_shape))

@@ -1,0 +1,86 @@
+"""Activation checkpointing (`--remat`): trade recomputation for activation memory.
+
+Keras' remat support on the TF backend is `keras.remat(f)`, which is `tf.recompute_grad`:
+the forward pass of `f` keeps only `f`'s inputs, and the backward pass runs `f` again to
+get the activations its gradient needs. tfmp offers two granularities:
+
+* `blocks`: each residual block (ResNets) or conv-BN-ReLU unit (small_cnn) is one
+  checkpointed segment. The forward pass keeps one tensor per block; during the
+  backward pass one block's activations are alive at a time. This is the classic
+  choice for ResNets: ~one extra forward pass of compute for most of the activation memory.
+* `full`: ResNets also checkpoint each stage around its checkpointed blocks, so the
+  forward pass keeps only the four stage inputs; the backward pass recomputes a stage
+  (keeping its block inputs), then each block. Most memory saved, two extra forward
+  passes of compute. (small_cnn has no stages: `full` is `blocks` there.)
+
+Why not `keras.RematScope(mode="full")`, Keras' per-layer mode: measured on Keras 3.15 /
+TF 2.21 it (a) fails for any layer called with keyword arguments (BatchNormalization's
+`training`) inside a tf.function, (b) fails under mixed precision, because the
+recomputation runs outside Keras' autocast scope (float32 kernel vs bf16 input), and
+(c) even with both worked around, raised ResNet-18's float32 step peak by 37%: every
+layer still keeps its input, and the recomputed copies come on top (BUILD_NOTES.md).
+
+The recomputation must not update state a second time: tfmp's BatchNormalization skips
+its moving-statistics update while `layers.recomputing()` is active, which
+`CheckpointedBlock` sets for every repeat of a forward pass.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from tfmp.config import REMAT_MODES
+from tfmp.models.layers import first_call_updates_state
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class CheckpointedBlock(keras.layers.Layer):
+    """Runs `block` (a functional sub-model) and recomputes its activations in the backward pass.
+
+    Outside training (inference, or `remat=False`) it is simply `block(inputs)`.
+    """
+
+    def __init__(self, block: keras.Model, remat: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.block = block
+        self.remat = remat
+
+    def build(self, input_shape):
+        self.block.build(input_shape)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        if not (self.remat and training):
+            return self.block(inputs, training=training)
+        forward = first_call_updates_state(lambda block_inputs: self.block(block_inputs, training=True))
+        return keras.remat(forward)(inputs)
+
+    def compute_output_shape(self, input_shape):
+        return self.block.compute_output_shape(input_shape)
+
+    def get_config(self):
+        return {**super().get_config(), "block": keras.saving.serialize_keras_object(self.block), "remat": self.remat}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["block"] = keras.saving.deserialize_keras_object(config["block"])
+        return cls(**config)
+
+
+def checkpointed(block_fn, x, name: str, remat: str, **block_kwargs):
+    """`block_fn(x, name=name, **block_kwargs)`, as one checkpointed segment unless `remat == "none"`.
+
+    The block's layers keep their names (inside a sub-model called `{name}_layers`), so
+    `--float32_layers` and the precision doctor see the same names with or without remat.
+    """
+    if remat == "none":
+        return block_fn(x, name=name, **block_kwargs)
+    inputs = keras.Input(x.shape[1:], name=f"{name}_input")
+    block = keras.Model(inputs, block_fn(inputs, name=name, **block_kwargs), name=f"{name}_layers")
+    return CheckpointedBlock(block, name=name)(x)
+
+
+def check_mode(remat: str) -> None:
+    if remat not in REMAT_MODES:
+        raise ValueError(f"unknown remat mode {remat!r}; valid: {', '.join(REMAT_MODES)}")
