@@ -21,6 +21,7 @@ def test_bench_prints_one_json_line_per_precision():
     assert [line["precision"] for line in lines] == ["float32", "mixed_bfloat16"]
     for line in lines:
         assert line["images_per_second"] > 0 and line["peak_rss_mb"] > 0 and line["gflops_per_second"] > 0
+        assert line["peak_tensor_mb"] > 0 and line["remat"] == "none"
         assert abs(line["step_time_ms"] - 8000 / line["images_per_second"]) < 0.1  # batch 8 / median step
 
 
@@ -38,3 +39,5 @@ def test_analytic_flops_of_the_cifar_resnet18_forward_pass():
 def test_bench_usage_error(capsys):
     assert bench.main(["tfmp.bench", "--model=vit"]) == 2
     assert "unknown model 'vit'" in capsys.readouterr().err
+    assert bench.main(["tfmp.bench", "--remat=none,everything"]) == 2
+    assert "unknown remat mode 'everything'; valid: none, blocks, full" in capsys.readouterr().err

@@ -57,7 +57,7 @@ def forward_flops_per_example(model, input_shape) -> int:
 
 
 def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, warmup: int, precision_name: str,
-            image_size: int, seed: int, remat: str = "none") -> dict:
+            image_size: int, seed: int, remat: str = "none", keras_batchnorm: bool = False) -> dict:
     """Measures one configuration in this process."""
     import keras
     import numpy as np
@@ -70,7 +70,9 @@ def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, 
     policy = precision.set_policy(precision_name)
     keras.utils.set_random_seed(seed)
     shape = (image_size, image_size, 3)
-    encoder = models.build_encoder(model_name, shape, remat=remat)
+    # keras_batchnorm: the same network as plain Keras builds it (Keras' own BatchNormalization),
+    # the baseline tfmp's own changes are measured against.
+    encoder = models.build_encoder(model_name, shape, models.NormSettings(fused=not keras_batchnorm), remat=remat)
     if method == "simclr":
         model = SimCLR(encoder, projection_dim=128, temperature=0.5, augment_config=AugmentConfig(blur_probability=0.0))
         model.build((None, *shape))
@@ -106,7 +108,7 @@ def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, 
     median = statistics.median(times)
     flops = 3 * views * batch * forward_flops_per_example(encoder if method == "simclr" else model, shape)
     return {
-        "framework": f"tfmp (keras {keras.__version__}, tensorflow {tf.__version__})",
+        "framework": f"{'plain keras' if keras_batchnorm else 'tfmp'} (keras {keras.__version__}, tensorflow {tf.__version__})",
         "model": model_name,
         "method": method,
         "precision": policy,
@@ -134,6 +136,8 @@ def parse(argv):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--precision", default="float32,mixed_bfloat16", help="comma-separated precisions")
     parser.add_argument("--image_size", type=int, default=32)
+    parser.add_argument("--keras_batchnorm", action="store_true",
+                        help="build with Keras' own BatchNormalization (the plain-Keras baseline)")
     parser.add_argument("--remat", default="none", help="comma-separated activation checkpointing modes: none, blocks, full")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--in_process", action="store_true", help="measure one precision in this process (used internally)")
@@ -160,7 +164,7 @@ def main(argv: list[str]) -> int:
         return 2
     if args.in_process:
         result = run_one(args.model, args.method, args.batch, args.steps, args.repeats, args.warmup, precisions[0], args.image_size,
-                         args.seed, remats[0])
+                         args.seed, remats[0], args.keras_batchnorm)
         print(json.dumps(result), flush=True)
         return 0
     code = 0

@@ -5,8 +5,10 @@
 
 Each round runs every configuration once (a fresh `python -m tfmp.bench` process each),
 in an order that rotates between rounds, so slow drift of the machine hits all
-configurations alike. When PyTorch is importable, the peer benchmark
-`shared/bench/torch_simclr_peer.py` (same model, batch and step) runs in the same rounds.
+configurations alike. Runners: `tfmp` (the step tfmp trains), `keras` (the same network
+with Keras' own BatchNormalization: what plain Keras gives), and, when PyTorch is
+importable, the peer benchmark `shared/bench/torch_simclr_peer.py` (same model, batch and
+step; its peak RSS is read by a wrapper, the peer itself prints only images/s).
 Writes OUT/results.json (every measurement), OUT/summary.json (median per configuration)
 and OUT/benchmark.png (images/s and peak memory), and prints the summary as a table.
 """
@@ -25,19 +27,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "..", "..", "..", "shared", "bench", "torch_simclr_peer.py")
 
 
-def tfmp_command(precision, batch, steps):
+PEER_WITH_PEAK_RSS = ("import json, resource, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
+                      "print(json.dumps({'peak_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))")
+
+
+def tfmp_command(precision, batch, steps, keras_batchnorm=False):
     return [sys.executable, "-m", "tfmp.bench", "--model=resnet18_cifar", "--method=simclr", f"--batch={batch}",
-            f"--steps={steps}", "--repeats=1", f"--precision={precision}"]
+            f"--steps={steps}", "--repeats=1", f"--precision={precision}"] + (["--keras_batchnorm"] if keras_batchnorm else [])
+
+
+def keras_command(precision, batch, steps):
+    return tfmp_command(precision, batch, steps, keras_batchnorm=True)
 
 
 def peer_command(precision, batch, steps):
     short = {"float32": "fp32", "mixed_bfloat16": "bf16"}[precision]
-    return [sys.executable, PEER, f"--precision={short}", f"--batch={batch}", f"--steps={steps}"]
+    return [sys.executable, "-c", PEER_WITH_PEAK_RSS, PEER, f"--precision={short}", f"--batch={batch}", f"--steps={steps}"]
+
+
+COMMANDS = {"tfmp": tfmp_command, "keras": keras_command, "torch": peer_command}
 
 
 def measure(command) -> dict:
+    """Runs one benchmark process; merges the JSON lines it prints (the peer's wrapper adds one)."""
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    row = {}
+    for line in result.stdout.strip().splitlines():
+        if line.startswith("{"):
+            row.update(json.loads(line))
+    return row
 
 
 def main() -> int:
@@ -46,19 +64,20 @@ def main() -> int:
     parser.add_argument("--batches", default="64")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--runners", default="tfmp,keras,torch", help="tfmp, keras (plain Keras BatchNorm), torch (when installed)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
     have_torch = importlib.util.find_spec("torch") is not None and os.path.exists(PEER)
-    configs = [("tfmp", p, int(b)) for b in args.batches.split(",") for p in args.precisions.split(",")]
-    if have_torch:
-        configs += [("torch", p, b) for _, p, b in list(configs) if p in ("float32", "mixed_bfloat16")]
+    runners = [r for r in args.runners.split(",") if r != "torch" or have_torch]
+    configs = [(runner, p, int(b)) for runner in runners for b in args.batches.split(",") for p in args.precisions.split(",")
+               if runner != "torch" or p in ("float32", "mixed_bfloat16")]
     results = []
     for round_index in range(args.rounds):
         shift = round_index % len(configs)
         for framework, precision, batch in configs[shift:] + configs[:shift]:
-            command = (tfmp_command if framework == "tfmp" else peer_command)(precision, batch, args.steps)
+            command = COMMANDS[framework](precision, batch, args.steps)
             print("$", " ".join(command[1:]), file=sys.stderr, flush=True)
             row = measure(command)
             row.update(runner=framework, precision=precision, round=round_index)
