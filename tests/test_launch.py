@@ -1,10 +1,14 @@
 """`python -m tfmp.launch`: workers on 127.0.0.1 with TF's multi-worker runtime."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+
+from test_fault_tolerance import _checkpoint_steps, _wait_for_checkpoint
 
 from conftest import REPO
 from tfmp import launch
@@ -37,10 +41,53 @@ def test_flags_the_launcher_owns_are_refused(tmp_path):
     assert result.returncode == 2 and "--strategy=mirrored is set by the launcher" in result.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="Keras 3.15 fit() under MultiWorkerMirroredStrategy: keras-team/keras#20585 and "
-                                       "tensorflow/tensorflow#72388 (see BUILD_NOTES.md); this test starts passing when fixed")
-def test_two_workers_train_digits(tmp_path):
-    workdir = tmp_path / "run"
-    result = _launch("--num_workers=2", f"--workdir={workdir}", "--epochs=2", "--precision=bf16")
+DIGITS = ["--flagfile=experiments/digits_supervised.cfg", "--epochs=6", "--precision=bf16"]
+
+
+def _metrics(workdir):
+    with open(os.path.join(workdir, "metrics.json"), encoding="utf-8") as file:
+        return json.load(file)
+
+
+def test_two_workers_train_digits_like_one_process(tmp_path, run_cli):
+    """Real gRPC collectives between two processes on 127.0.0.1 (needs tfmp/upstream.py's Keras fixes)."""
+    two = tmp_path / "two_workers"
+    result = _launch("--num_workers=2", *DIGITS, f"--workdir={two}")
     assert result.returncode == 0, result.stdout[-3000:]
-    assert (workdir / "metrics.json").exists()
+    metrics = _metrics(two)
+    assert metrics["strategy"] == "multi_worker_mirrored" and metrics["num_replicas"] == 2
+
+    one = tmp_path / "one_process"
+    single = run_cli(*DIGITS, "--strategy=off", f"--workdir={one}")
+    assert single.returncode == 0, single.stderr[-2000:]
+    assert metrics["eval_accuracy"] >= 0.9
+    assert abs(metrics["eval_accuracy"] - _metrics(one)["eval_accuracy"]) <= 0.03
+
+
+def _worker_pid(workdir, task_index):
+    """The pid of the `tfmp.train` worker with this workdir and task index (from /proc)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                arguments = file.read().split(b"\0")
+        except OSError:
+            continue
+        if f"--workdir={workdir}".encode() in arguments and f"--task_index={task_index}".encode() in arguments:
+            return int(pid)
+    raise AssertionError(f"no worker {task_index} for {workdir}")
+
+
+def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path):
+    workdir = str(tmp_path / "run")
+    command = [sys.executable, "-m", "tfmp.launch", "--num_workers=2", *DIGITS, "--checkpoint_every_steps=5", f"--workdir={workdir}"]
+    launcher = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    reached = _wait_for_checkpoint(launcher, workdir, at_least=10)
+    os.kill(_worker_pid(workdir, 1), signal.SIGKILL)
+    assert launcher.wait(timeout=120) != 0  # the launcher stops the chief instead of hanging
+    assert not os.path.exists(os.path.join(workdir, "metrics.json"))
+
+    result = _launch("--num_workers=2", *DIGITS, "--checkpoint_every_steps=5", f"--workdir={workdir}")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert _metrics(workdir)["resumed_from_step"] >= reached > 0
+    assert _checkpoint_steps(workdir)[-1] >= 6 * (1437 // 128)

@@ -120,7 +120,11 @@ def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu:
             set_tf_config(worker_hosts, task_index)
         if "TF_CONFIG" not in os.environ:
             raise ValueError("strategy multi_worker_mirrored needs a cluster: set TF_CONFIG or pass --worker_hosts and --task_index")
-        # gRPC collectives: TF's own multi-worker runtime.
+        # gRPC collectives: TF's own multi-worker runtime. Keras' fit() needs two upstream
+        # fixes under it (tfmp/upstream.py); they touch multi-worker strategies only.
+        from tfmp import upstream
+
+        upstream.apply_multi_worker_fixes()
         return tf.distribute.MultiWorkerMirroredStrategy()
     if num_cpu_devices:
         split_cpu(num_cpu_devices)
