@@ -129,3 +129,19 @@ def test_augmentation_streams_differ_across_replicas_only_when_seeded_by_replica
 
     assert distribute.augmentation_streams_differ(strategy, per_replica, images)
     assert not distribute.augmentation_streams_differ(strategy, same_everywhere, images)
+
+
+def test_non_finite_weights_after_the_last_save_still_fail_the_run(tmp_path):
+    """The guard runs before Checkpointing: a save refused at the very end is caught at train end."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    checkpointing = callbacks.Checkpointing(str(tmp_path / "checkpoints"))
+    guard = callbacks.NaNGuard(checkpointing)
+    for callback in (checkpointing, guard):
+        callback.set_model(model)
+    model.layers[0].kernel.assign(np.full((2, 1), np.inf, np.float32))
+    checkpointing.on_epoch_end(0)  # refuses to save the non-finite state
+    assert checkpointing.take_nonfinite_state_step() == 0
+    checkpointing.on_epoch_end(0)
+    guard.on_train_end()
+    assert guard.diagnosis is not None and "non-finite weights at the end of training" in guard.diagnosis

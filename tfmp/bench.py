@@ -56,12 +56,17 @@ def forward_flops_per_example(model, input_shape) -> int:
     return flops
 
 
-def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, warmup: int, precision_name: str,
-            image_size: int, seed: int, remat: str = "none", keras_batchnorm: bool = False) -> dict:
-    """Measures one configuration in this process."""
+def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
+    """Measures one configuration (`args` as parsed, one precision and remat mode) in this process."""
     import keras
     import numpy as np
     import tensorflow as tf
+
+    # Thread pools must be set before TensorFlow runs anything; 0 leaves TF's default (one per core).
+    tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
+    model_name, method, batch, steps, repeats, warmup, image_size, seed, keras_batchnorm = (
+        args.model, args.method, args.batch, args.steps, args.repeats, args.warmup, args.image_size, args.seed, args.keras_batchnorm)
 
     from tfmp import models, precision
     from tfmp.data.augment import AugmentConfig
@@ -77,12 +82,13 @@ def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, 
         model = SimCLR(encoder, projection_dim=128, temperature=0.5, augment_config=AugmentConfig(blur_probability=0.0))
         model.build((None, *shape))
         # The PyTorch peer's optimizer: SGD with momentum and weight decay.
-        model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)))
+        model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)),
+                      jit_compile=args.xla)
         views = 2
     else:
         model = models.build_classifier(encoder, 10)
         model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=args.xla)
         views = 1
     rng = np.random.default_rng(seed)
     images = rng.random((batch, *shape), dtype=np.float32)
@@ -113,6 +119,8 @@ def run_one(model_name: str, method: str, batch: int, steps: int, repeats: int, 
         "method": method,
         "precision": policy,
         "remat": remat,
+        "xla": args.xla,
+        "threads": {"intra_op": args.intra_op_threads, "inter_op": args.inter_op_threads},
         "batch": batch,
         "steps": steps,
         "repeats": repeats,
@@ -138,6 +146,9 @@ def parse(argv):
     parser.add_argument("--image_size", type=int, default=32)
     parser.add_argument("--keras_batchnorm", action="store_true",
                         help="build with Keras' own BatchNormalization (the plain-Keras baseline)")
+    parser.add_argument("--xla", action="store_true", help="compile the train step with XLA (jit_compile=True)")
+    parser.add_argument("--intra_op_threads", type=int, default=0, help="TF intra-op threads (0: TF's default)")
+    parser.add_argument("--inter_op_threads", type=int, default=0, help="TF inter-op threads (0: TF's default)")
     parser.add_argument("--remat", default="none", help="comma-separated activation checkpointing modes: none, blocks, full")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--in_process", action="store_true", help="measure one precision in this process (used internally)")
@@ -163,8 +174,7 @@ def main(argv: list[str]) -> int:
         print(f"tfmp.bench: error: {error}", file=sys.stderr)
         return 2
     if args.in_process:
-        result = run_one(args.model, args.method, args.batch, args.steps, args.repeats, args.warmup, precisions[0], args.image_size,
-                         args.seed, remats[0], args.keras_batchnorm)
+        result = run_one(args, precisions[0], remats[0])
         print(json.dumps(result), flush=True)
         return 0
     code = 0

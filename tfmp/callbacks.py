@@ -204,11 +204,20 @@ class NaNGuard(keras.callbacks.Callback):
         elif self._skip_streak > self.max_consecutive_skips:
             self._recover(f"step {step}: {self._skip_streak} fp16 steps skipped in a row")
 
+    # The guard runs before Checkpointing (default_callbacks), so a save refused for
+    # non-finite weights is seen at the next batch end, epoch end or, after the last
+    # epoch's save, at the end of training, where no retry is left: the run fails.
     def on_epoch_end(self, epoch, logs=None):
-        # Checkpointing's epoch-end save runs first (callback order) and may have refused.
         nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
         if nonfinite_state_step is not None and not self.model.stop_training:
-            self._recover(f"step {nonfinite_state_step}: non-finite weights at the end of epoch {epoch + 1}")
+            self._recover(f"step {nonfinite_state_step}: non-finite weights in epoch {epoch + 1}")
+
+    def on_train_end(self, logs=None):
+        nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
+        if nonfinite_state_step is not None and self.diagnosis is None:
+            self.events.append(f"step {nonfinite_state_step}: non-finite weights at the end of training")
+            self.diagnosis = self.diagnose()
+            logger.error("%s", self.diagnosis)
 
     def _recover(self, event: str) -> None:
         """Restores the last good checkpoint, or stops with a diagnosis when retries are used up."""

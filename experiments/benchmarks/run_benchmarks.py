@@ -40,12 +40,12 @@ def keras_command(precision, batch, steps):
     return tfmp_command(precision, batch, steps, keras_batchnorm=True)
 
 
-def peer_command(precision, batch, steps):
+def peer_command(precision, batch, steps, peer=PEER):
     short = {"float32": "fp32", "mixed_bfloat16": "bf16"}[precision]
-    return [sys.executable, "-c", PEER_WITH_PEAK_RSS, PEER, f"--precision={short}", f"--batch={batch}", f"--steps={steps}"]
+    return [sys.executable, "-c", PEER_WITH_PEAK_RSS, peer, f"--precision={short}", f"--batch={batch}", f"--steps={steps}"]
 
 
-COMMANDS = {"tfmp": tfmp_command, "keras": keras_command, "torch": peer_command}
+COMMANDS = {"tfmp": tfmp_command, "keras": keras_command}
 
 
 def measure(command) -> dict:
@@ -65,11 +65,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runners", default="tfmp,keras,torch", help="tfmp, keras (plain Keras BatchNorm), torch (when installed)")
+    parser.add_argument("--peer", default=PEER, help="path of torch_simclr_peer.py (default: the shared/ folder beside the repo)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
-    have_torch = importlib.util.find_spec("torch") is not None and os.path.exists(PEER)
+    have_torch = importlib.util.find_spec("torch") is not None and os.path.exists(args.peer)
+    if "torch" in args.runners and not have_torch:
+        print(f"torch runner skipped: torch not importable or no peer at {args.peer}", file=sys.stderr)
     runners = [r for r in args.runners.split(",") if r != "torch" or have_torch]
     configs = [(runner, p, int(b)) for runner in runners for b in args.batches.split(",") for p in args.precisions.split(",")
                if runner != "torch" or p in ("float32", "mixed_bfloat16")]
@@ -77,7 +80,10 @@ def main() -> int:
     for round_index in range(args.rounds):
         shift = round_index % len(configs)
         for framework, precision, batch in configs[shift:] + configs[:shift]:
-            command = COMMANDS[framework](precision, batch, args.steps)
+            if framework == "torch":
+                command = peer_command(precision, batch, args.steps, args.peer)
+            else:
+                command = COMMANDS[framework](precision, batch, args.steps)
             print("$", " ".join(command[1:]), file=sys.stderr, flush=True)
             row = measure(command)
             row.update(runner=framework, precision=precision, round=round_index)
