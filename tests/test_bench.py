@@ -41,3 +41,16 @@ def test_bench_usage_error(capsys):
     assert "unknown model 'vit'" in capsys.readouterr().err
     assert bench.main(["tfmp.bench", "--remat=none,everything"]) == 2
     assert "unknown remat mode 'everything'; valid: none, blocks, full" in capsys.readouterr().err
+
+
+def test_benchmark_matrix_writes_results_summary_and_chart(tmp_path):
+    script = os.path.join(REPO, "experiments", "benchmarks", "run_benchmarks.py")
+    result = subprocess.run([sys.executable, script, "--model=small_cnn", "--runners=tfmp,keras", "--precisions=float32",
+                             "--batches=8", "--steps=1", "--rounds=1", f"--out={tmp_path}"], cwd=REPO,
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(row["runner"], row["batch"]) for row in summary] == [("tfmp", 8), ("keras", 8)]
+    assert all(row["min"] <= row["images_per_second"] <= row["max"] for row in summary)
+    assert (tmp_path / "benchmark.png").stat().st_size > 1000
+    assert "| tfmp | float32 | 8 |" in result.stdout

@@ -84,3 +84,17 @@ def test_mirrored_on_two_cpu_devices_matches_one_device():
     assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
     for one, two in zip(single, mirrored):
         np.testing.assert_allclose(two, one, atol=1e-5, rtol=1e-4)
+
+
+def test_multi_worker_fixes_leave_other_strategies_to_keras():
+    """tfmp/upstream.py replaces two Keras functions; for non-multi-worker strategies they are Keras' own."""
+    from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+
+    from tfmp import upstream
+
+    upstream.apply_multi_worker_fixes()
+    upstream.apply_multi_worker_fixes()  # idempotent
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    values = strategy.run(lambda: 2.0 * tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32))
+    assert float(keras_tf_trainer.reduce_per_replica(values, strategy, "auto")) == 3.0  # mean of 2 and 4
+    assert float(keras_tf_trainer.reduce_per_replica(values, strategy, "sum")) == 6.0

@@ -31,13 +31,13 @@ PEER_WITH_PEAK_RSS = ("import json, resource, runpy, sys; sys.argv = sys.argv[1:
                       "print(json.dumps({'peak_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))")
 
 
-def tfmp_command(precision, batch, steps, keras_batchnorm=False):
-    return [sys.executable, "-m", "tfmp.bench", "--model=resnet18_cifar", "--method=simclr", f"--batch={batch}",
+def tfmp_command(precision, batch, steps, model="resnet18_cifar", keras_batchnorm=False):
+    return [sys.executable, "-m", "tfmp.bench", f"--model={model}", "--method=simclr", f"--batch={batch}",
             f"--steps={steps}", "--repeats=1", f"--precision={precision}"] + (["--keras_batchnorm"] if keras_batchnorm else [])
 
 
-def keras_command(precision, batch, steps):
-    return tfmp_command(precision, batch, steps, keras_batchnorm=True)
+def keras_command(precision, batch, steps, model="resnet18_cifar"):
+    return tfmp_command(precision, batch, steps, model, keras_batchnorm=True)
 
 
 def peer_command(precision, batch, steps, peer=PEER):
@@ -64,6 +64,7 @@ def main() -> int:
     parser.add_argument("--batches", default="64")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="resnet18_cifar", help="tfmp/keras runners' encoder (the peer is ResNet-18 only)")
     parser.add_argument("--runners", default="tfmp,keras,torch", help="tfmp, keras (plain Keras BatchNorm), torch (when installed)")
     parser.add_argument("--peer", default=PEER, help="path of torch_simclr_peer.py (default: the shared/ folder beside the repo)")
     parser.add_argument("--out", required=True)
@@ -73,7 +74,7 @@ def main() -> int:
     have_torch = importlib.util.find_spec("torch") is not None and os.path.exists(args.peer)
     if "torch" in args.runners and not have_torch:
         print(f"torch runner skipped: torch not importable or no peer at {args.peer}", file=sys.stderr)
-    runners = [r for r in args.runners.split(",") if r != "torch" or have_torch]
+    runners = [r for r in args.runners.split(",") if r != "torch" or (have_torch and args.model == "resnet18_cifar")]
     configs = [(runner, p, int(b)) for runner in runners for b in args.batches.split(",") for p in args.precisions.split(",")
                if runner != "torch" or p in ("float32", "mixed_bfloat16")]
     results = []
@@ -83,7 +84,7 @@ def main() -> int:
             if framework == "torch":
                 command = peer_command(precision, batch, args.steps, args.peer)
             else:
-                command = COMMANDS[framework](precision, batch, args.steps)
+                command = COMMANDS[framework](precision, batch, args.steps, args.model)
             print("$", " ".join(command[1:]), file=sys.stderr, flush=True)
             row = measure(command)
             row.update(runner=framework, precision=precision, round=round_index)
@@ -96,7 +97,7 @@ def main() -> int:
         rows = [r for r in results if (r["runner"], r["precision"], r["batch"]) == (framework, precision, batch)]
         speeds = [r["images_per_second"] for r in rows]
         summary.append({"runner": framework, "precision": precision, "batch": batch,
-                        "images_per_second": statistics.median(speeds),
+                        "images_per_second": statistics.median(speeds), "min": min(speeds), "max": max(speeds),
                         "spread": (max(speeds) - min(speeds)) / statistics.median(speeds),
                         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rows) if "peak_rss_mb" in rows[0] else None})
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as file:
@@ -114,8 +115,10 @@ def main() -> int:
 
     labels = [f"{r['runner']}\n{r['precision'].replace('mixed_', '')}\nB={r['batch']}" for r in summary]
     figure, (speed_axis, memory_axis) = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(summary)), 4))
-    speed_axis.bar(labels, [r["images_per_second"] for r in summary], color="tab:blue")
-    speed_axis.set_title("SimCLR ResNet-18 step: images/s (median)", fontsize=9)
+    medians = [r["images_per_second"] for r in summary]
+    spans = [[m - r["min"] for m, r in zip(medians, summary)], [r["max"] - m for m, r in zip(medians, summary)]]
+    speed_axis.bar(labels, medians, yerr=spans, capsize=3, color="tab:blue")
+    speed_axis.set_title(f"SimCLR {args.model} step: images/s (median; bars: min-max over rounds)", fontsize=9)
     memory_axis.bar(labels, [r["peak_rss_mb"] or 0 for r in summary], color="tab:orange")
     memory_axis.set_title("peak RSS (MB)", fontsize=9)
     figure.tight_layout()

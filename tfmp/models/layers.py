@@ -16,51 +16,12 @@ statistics across more than one replica) is Keras' own code path.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 
 import keras
 import tensorflow as tf
 
-_recomputation = threading.local()
-
-
-@contextlib.contextmanager
-def recomputing():
-    """Marks a forward pass that activation checkpointing repeats in the backward pass.
-
-    The repeat must compute what the first pass computed but must not update state a
-    second time: tfmp's BatchNormalization skips its moving-statistics update inside
-    this block (otherwise every checkpointed BatchNorm would average each batch in twice).
-    """
-    previous = getattr(_recomputation, "active", False)
-    _recomputation.active = True
-    try:
-        yield
-    finally:
-        _recomputation.active = previous
-
-
-def is_recomputing() -> bool:
-    return getattr(_recomputation, "active", False)
-
-
-def first_call_updates_state(function):
-    """`function`, run plainly on its first call and inside `recomputing()` on every later
-    one: what a rematerialised function needs (its first call is the forward pass, later
-    calls are the recomputation)."""
-    calls = []
-
-    def wrapped(*args, **kwargs):
-        calls.append(None)
-        if len(calls) == 1:
-            return function(*args, **kwargs)
-        with recomputing():
-            return function(*args, **kwargs)
-
-    return wrapped
-
+from tfmp.models.remat import is_recomputing
 
 @dataclasses.dataclass(frozen=True)
 class NormSettings:

@@ -21,16 +21,56 @@ recomputation runs outside Keras' autocast scope (float32 kernel vs bf16 input),
 layer still keeps its input, and the recomputed copies come on top (BUILD_NOTES.md).
 
 The recomputation must not update state a second time: tfmp's BatchNormalization skips
-its moving-statistics update while `layers.recomputing()` is active, which
+its moving-statistics update while `recomputing()` is active, which
 `CheckpointedBlock` sets for every repeat of a forward pass.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import keras
 
 from tfmp.config import REMAT_MODES
-from tfmp.models.layers import first_call_updates_state
+
+_recomputation = threading.local()
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Marks a forward pass that activation checkpointing repeats in the backward pass.
+
+    The repeat must compute what the first pass computed but must not update state a
+    second time: tfmp's BatchNormalization skips its moving-statistics update inside
+    this block (otherwise every checkpointed BatchNorm would average each batch in twice).
+    """
+    previous = getattr(_recomputation, "active", False)
+    _recomputation.active = True
+    try:
+        yield
+    finally:
+        _recomputation.active = previous
+
+
+def is_recomputing() -> bool:
+    return getattr(_recomputation, "active", False)
+
+
+def first_call_updates_state(function):
+    """`function`, run plainly on its first call and inside `recomputing()` on every later
+    one: what a rematerialised function needs (its first call is the forward pass, later
+    calls are the recomputation)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1:
+            return function(*args, **kwargs)
+        with recomputing():
+            return function(*args, **kwargs)
+
+    return wrapped
 
 
 @keras.saving.register_keras_serializable(package="tfmp")
