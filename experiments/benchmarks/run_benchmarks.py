@@ -58,19 +58,8 @@ def measure(command) -> dict:
     return row
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precisions", default="float32,mixed_bfloat16")
-    parser.add_argument("--batches", default="64")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default="resnet18_cifar", help="tfmp/keras runners' encoder (the peer is ResNet-18 only)")
-    parser.add_argument("--runners", default="tfmp,keras,torch", help="tfmp, keras (plain Keras BatchNorm), torch (when installed)")
-    parser.add_argument("--peer", default=PEER, help="path of torch_simclr_peer.py (default: the shared/ folder beside the repo)")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-
+def run_matrix(args) -> list[dict]:
+    """Every configuration once per round, in an order that rotates between rounds."""
     have_torch = importlib.util.find_spec("torch") is not None and os.path.exists(args.peer)
     if "torch" in args.runners and not have_torch:
         print(f"torch runner skipped: torch not importable or no peer at {args.peer}", file=sys.stderr)
@@ -89,9 +78,12 @@ def main() -> int:
             row = measure(command)
             row.update(runner=framework, precision=precision, round=round_index)
             results.append(row)
-    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as file:
-        json.dump(results, file, indent=1)
+    return results
 
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Median, min and max images/s and median peak RSS per (runner, precision, batch), in first-seen order."""
+    configs = list(dict.fromkeys((r["runner"], r["precision"], r["batch"]) for r in sorted(results, key=lambda r: r["round"])))
     summary = []
     for framework, precision, batch in configs:
         rows = [r for r in results if (r["runner"], r["precision"], r["batch"]) == (framework, precision, batch)]
@@ -100,14 +92,10 @@ def main() -> int:
                         "images_per_second": statistics.median(speeds), "min": min(speeds), "max": max(speeds),
                         "spread": (max(speeds) - min(speeds)) / statistics.median(speeds),
                         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rows) if "peak_rss_mb" in rows[0] else None})
-    with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as file:
-        json.dump(summary, file, indent=1)
-    print("| runner | precision | batch | images/s (median) | spread | peak RSS MB |")
-    print("|---|---|---|---|---|---|")
-    for row in summary:
-        print(f"| {row['runner']} | {row['precision']} | {row['batch']} | {row['images_per_second']:.1f} | {row['spread']:.1%} | "
-              f"{row['peak_rss_mb'] if row['peak_rss_mb'] is not None else 'n/a'} |")
+    return summary
 
+
+def draw(summary: list[dict], title: str, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,11 +106,44 @@ def main() -> int:
     medians = [r["images_per_second"] for r in summary]
     spans = [[m - r["min"] for m, r in zip(medians, summary)], [r["max"] - m for m, r in zip(medians, summary)]]
     speed_axis.bar(labels, medians, yerr=spans, capsize=3, color="tab:blue")
-    speed_axis.set_title(f"SimCLR {args.model} step: images/s (median; bars: min-max over rounds)", fontsize=9)
+    speed_axis.set_title(f"{title}: images/s (median; bars: min-max over rounds)", fontsize=9)
     memory_axis.bar(labels, [r["peak_rss_mb"] or 0 for r in summary], color="tab:orange")
     memory_axis.set_title("peak RSS (MB)", fontsize=9)
     figure.tight_layout()
-    figure.savefig(os.path.join(args.out, "benchmark.png"), dpi=100)
+    figure.savefig(path, dpi=100)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precisions", default="float32,mixed_bfloat16")
+    parser.add_argument("--batches", default="64")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="resnet18_cifar", help="tfmp/keras runners' encoder (the peer is ResNet-18 only)")
+    parser.add_argument("--runners", default="tfmp,keras,torch", help="tfmp, keras (plain Keras BatchNorm), torch (when installed)")
+    parser.add_argument("--peer", default=PEER, help="path of torch_simclr_peer.py (default: the shared/ folder beside the repo)")
+    parser.add_argument("--from_results", default="", help="re-summarise and redraw an earlier results.json instead of measuring")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    if args.from_results:
+        with open(args.from_results, encoding="utf-8") as file:
+            results = json.load(file)
+    else:
+        results = run_matrix(args)
+    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as file:
+        json.dump(results, file, indent=1)
+    summary = summarize(results)
+    with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as file:
+        json.dump(summary, file, indent=1)
+    print("| runner | precision | batch | images/s (median) | spread | peak RSS MB |")
+    print("|---|---|---|---|---|---|")
+    for row in summary:
+        print(f"| {row['runner']} | {row['precision']} | {row['batch']} | {row['images_per_second']:.1f} | {row['spread']:.1%} | "
+              f"{row['peak_rss_mb'] if row['peak_rss_mb'] is not None else 'n/a'} |")
+    model = results[0].get("model", args.model) if results else args.model
+    draw(summary, f"SimCLR {model} step", os.path.join(args.out, "benchmark.png"))
     return 0
 
 
