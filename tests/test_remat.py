@@ -81,3 +81,22 @@ def test_checkpointed_encoder_saves_and_loads(tmp_path):
     images = np.random.default_rng(0).random((2, 8, 8, 1), dtype=np.float32)
     np.testing.assert_allclose(loaded(images), encoder(images), rtol=1e-6)
     assert any(isinstance(layer, CheckpointedBlock) for layer in loaded.layers)
+
+
+def test_checkpointed_synchronized_batchnorm_on_two_replicas():
+    """On 2 replicas synchronized BN takes Keras' path, also during the recomputation: same weights after a
+    fit step with and without remat, and the moving statistics averaged in once."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(0)
+    images, labels = rng.random((16, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, 16).astype(np.int32)
+    results = {}
+    for remat in ("none", "blocks"):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            encoder = models.build_encoder("small_cnn", (8, 8, 1), models.NormSettings(synchronized=True), remat=remat)
+            model = models.build_classifier(encoder, 10)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(tf.data.Dataset.from_tensor_slices((images, labels)).batch(16), epochs=1, verbose=0)
+        results[remat] = model.get_weights()
+    for got, want in zip(results["blocks"], results["none"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
