@@ -10,15 +10,16 @@ get the activations its gradient needs. tfmp offers two granularities:
   choice for ResNets: ~one extra forward pass of compute for most of the activation memory.
 * `full`: ResNets also checkpoint each stage around its checkpointed blocks, so the
   forward pass keeps only the four stage inputs; the backward pass recomputes a stage
-  (keeping its block inputs), then each block. Most memory saved, two extra forward
-  passes of compute. (small_cnn has no stages: `full` is `blocks` there.)
+  (keeping its block inputs), then each block: two extra forward passes of compute.
+  For ResNet-18 (two blocks a stage) it measured no better than `blocks` (BUILD_NOTES.md);
+  it is meant for deeper stages. (small_cnn has no stages: `full` is `blocks` there.)
 
 Why not `keras.RematScope(mode="full")`, Keras' per-layer mode: measured on Keras 3.15 /
 TF 2.21 it (a) fails for any layer called with keyword arguments (BatchNormalization's
 `training`) inside a tf.function, (b) fails under mixed precision, because the
 recomputation runs outside Keras' autocast scope (float32 kernel vs bf16 input), and
-(c) even with both worked around, raised ResNet-18's float32 step peak by 37%: every
-layer still keeps its input, and the recomputed copies come on top (BUILD_NOTES.md).
+(c) in float32, with (a) worked around, raised ResNet-18's step peak from 337 to 463 MiB:
+every layer still keeps its input, and the recomputed copies come on top (BUILD_NOTES.md).
 
 The recomputation must not update state a second time: tfmp's BatchNormalization skips
 its moving-statistics update while `recomputing()` is active, which
