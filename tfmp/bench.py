@@ -65,20 +65,19 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
     # Thread pools must be set before TensorFlow runs anything; 0 leaves TF's default (one per core).
     tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
-    model_name, method, batch, steps, repeats, warmup, image_size, seed, keras_batchnorm = (
-        args.model, args.method, args.batch, args.steps, args.repeats, args.warmup, args.image_size, args.seed, args.keras_batchnorm)
 
     from tfmp import models, precision
     from tfmp.data.augment import AugmentConfig
     from tfmp.ssl.simclr import SimCLR
 
     policy = precision.set_policy(precision_name)
-    keras.utils.set_random_seed(seed)
-    shape = (image_size, image_size, 3)
-    # keras_batchnorm: the same network as plain Keras builds it (Keras' own BatchNormalization),
+    batch = args.batch
+    keras.utils.set_random_seed(args.seed)
+    shape = (args.image_size, args.image_size, 3)
+    # --keras_batchnorm: the same network as plain Keras builds it (Keras' own BatchNormalization),
     # the baseline tfmp's own changes are measured against.
-    encoder = models.build_encoder(model_name, shape, models.NormSettings(fused=not keras_batchnorm), remat=remat)
-    if method == "simclr":
+    encoder = models.build_encoder(args.model, shape, models.NormSettings(fused=not args.keras_batchnorm), remat=remat)
+    if args.method == "simclr":
         model = SimCLR(encoder, projection_dim=128, temperature=0.5, augment_config=AugmentConfig(blur_probability=0.0))
         model.build((None, *shape))
         # The PyTorch peer's optimizer: SGD with momentum and weight decay.
@@ -90,7 +89,7 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=args.xla)
         views = 1
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(args.seed)
     images = rng.random((batch, *shape), dtype=np.float32)
     labels = rng.integers(0, 10, batch).astype(np.int32)
     dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
@@ -104,26 +103,26 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
             logs = train_function(iterator)
         float(logs["loss"])  # wait for the last step to finish
 
-    run_steps(warmup)
+    run_steps(args.warmup)
     tf.config.experimental.reset_memory_stats("CPU:0")
     times = []
-    for _ in range(repeats):
+    for _ in range(args.repeats):
         start = time.perf_counter()
-        run_steps(steps)
-        times.append((time.perf_counter() - start) / steps)
+        run_steps(args.steps)
+        times.append((time.perf_counter() - start) / args.steps)
     median = statistics.median(times)
-    flops = 3 * views * batch * forward_flops_per_example(encoder if method == "simclr" else model, shape)
+    flops = 3 * views * batch * forward_flops_per_example(encoder if args.method == "simclr" else model, shape)
     return {
-        "framework": f"{'plain keras' if keras_batchnorm else 'tfmp'} (keras {keras.__version__}, tensorflow {tf.__version__})",
-        "model": model_name,
-        "method": method,
+        "framework": f"{'plain keras' if args.keras_batchnorm else 'tfmp'} (keras {keras.__version__}, tensorflow {tf.__version__})",
+        "model": args.model,
+        "method": args.method,
         "precision": policy,
         "remat": remat,
         "xla": args.xla,
         "threads": {"intra_op": args.intra_op_threads, "inter_op": args.inter_op_threads},
         "batch": batch,
-        "steps": steps,
-        "repeats": repeats,
+        "steps": args.steps,
+        "repeats": args.repeats,
         "step_time_ms": round(1000 * median, 2),
         "step_time_spread": round((max(times) - min(times)) / median, 3),
         "images_per_second": round(batch / median, 2),
