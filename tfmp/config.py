@@ -83,7 +83,7 @@ class Config:
     optimizer: str = _field("adamw", f"Optimizer: {', '.join(OPTIMIZERS)}.")
     weight_decay: float = _field(1e-4, "Decoupled weight decay.")
     remat: str = _field("none", f"Activation checkpointing: {', '.join(REMAT_MODES)} (blocks: recompute each residual "
-                                "block in the backward pass; full: Keras' RematScope on every layer).")
+                                "block in the backward pass; full: also each stage around its blocks).")
     bn_momentum: float = _field(0.9, "BatchNorm momentum (0.9 suits small data sets; Keras' default is 0.99).")
     float32_layers: str = _field("", "Regular expression: layers whose names match stay float32 under a mixed policy.")
     loss_scale: str = _field("dynamic", "mixed_float16 loss scale: 'dynamic' or a fixed number.")
