@@ -195,14 +195,17 @@ class NaNGuard(keras.callbacks.Callback):
         if skipped is not None:
             self._skip_streak = self._skip_streak + 1 if skipped > self._skipped else 0
             self._skipped = skipped
-        step = int(self.model.optimizer.iterations.numpy())
         nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
         if not math.isfinite(loss):
-            self._recover(f"step {step}: loss {loss}")
+            self._recover(f"step {self._step()}: loss {loss}")
         elif nonfinite_state_step is not None:
             self._recover(f"step {nonfinite_state_step}: non-finite weights (loss {loss:.3g})")
         elif self._skip_streak > self.max_consecutive_skips:
-            self._recover(f"step {step}: {self._skip_streak} fp16 steps skipped in a row")
+            self._recover(f"step {self._step()}: {self._skip_streak} fp16 steps skipped in a row")
+
+    def _step(self) -> int:
+        # Read from the device only when there is something to report, not every step.
+        return int(self.model.optimizer.iterations.numpy())
 
     # The guard runs before Checkpointing (default_callbacks), so a save refused for
     # non-finite weights is seen at the next batch end, epoch end or, after the last
@@ -215,20 +218,22 @@ class NaNGuard(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
         if nonfinite_state_step is not None and self.diagnosis is None:
-            self.events.append(f"step {nonfinite_state_step}: non-finite weights at the end of training")
-            self.diagnosis = self.diagnose()
-            logger.error("%s", self.diagnosis)
+            self._fail(f"step {nonfinite_state_step}: non-finite weights at the end of training")
 
     def _recover(self, event: str) -> None:
         """Restores the last good checkpoint, or stops with a diagnosis when retries are used up."""
-        self.events.append(event)
         if self.retries < self.max_retries and self.checkpointing.usable:
+            self.events.append(event)
             self.retries += 1
             self.checkpointing.restore()
             self.model.reset_metrics()
             self._skip_streak = 0
             logger.warning("%s; restored the last good checkpoint (retry %d of %d)", event, self.retries, self.max_retries)
             return
+        self._fail(event)
+
+    def _fail(self, event: str) -> None:
+        self.events.append(event)
         self.diagnosis = self.diagnose()
         logger.error("%s", self.diagnosis)
         self.model.stop_training = True
