@@ -24,10 +24,16 @@ def _start(workdir):
 
 
 def _checkpoint_steps(workdir):
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
+    """Steps of the checkpoints the run has registered (TF's `checkpoint` state file).
+
+    Not the files on disk: a kill between writing `ckpt-N.index` and updating the
+    state file leaves a checkpoint that resuming rightly does not know about."""
+    state = os.path.join(workdir, "checkpoints", "checkpoint")
+    if not os.path.exists(state):
         return []
-    return sorted(int(m.group(1)) for name in os.listdir(directory) if (m := re.fullmatch(r"ckpt-(\d+)\.index", name)))
+    with open(state, encoding="utf-8") as file:
+        text = file.read()
+    return sorted(int(step) for step in re.findall(r'^all_model_checkpoint_paths: ".*?ckpt-(\d+)"$', text, re.M))
 
 
 def _wait_for_checkpoint(process, workdir, at_least, timeout=300):
