@@ -1,34 +1,48 @@
 """Test setup: the CPU is split into 2 logical devices before TensorFlow starts, so
-multi-replica behaviour (MirroredStrategy) can be tested on a machine without GPUs."""
+multi-replica behaviour (MirroredStrategy) can be tested on a machine without GPUs.
+
+TF turns its oneDNN CPU kernels on by default only on CPUs with AVX512_VNNI / AVX512_BF16 /
+AMX; without oneDNN, TF's CPU allocator keeps no statistics, and the memory tests
+(`tf.config.experimental.get_memory_info("CPU:0")`) cannot measure. The suite asks for
+oneDNN everywhere (subprocesses inherit it), so every CI machine runs the kernels
+tfmp's bf16 users run.
+"""
 
 import os
 import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmp import distribute  # noqa: E402
+from tfmp import distribute, precision  # noqa: E402
 
 NUM_TEST_DEVICES = 2
 distribute.split_cpu(NUM_TEST_DEVICES)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Tests whose subject is not bf16 itself (multi-worker, fault tolerance, the SSL CLI) run
+# at the precision `auto` picks: bf16 where the CPU has bf16 units, float32 where bf16
+# would be emulated (several times slower there).
+AUTO_PRECISION = precision.resolve("auto")[0]
+
 
 def pytest_collection_modifyitems(config, items):
     has_gpu = bool(tf.config.list_physical_devices("GPU"))
-    from tfmp import precision
-
     has_tpu = precision.tpu_present()
+    has_bf16_cpu = precision.cpu_has_bf16_units()
     for item in items:
         if "requires_gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU; none visible"))
         if "requires_tpu" in item.keywords and not has_tpu:
             item.add_marker(pytest.mark.skip(reason="needs a TPU; none visible"))
+        if "requires_bf16_cpu" in item.keywords and not has_bf16_cpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CPU with AVX512_BF16 or AMX; this one emulates bf16"))
 
 
 @pytest.fixture(autouse=True)

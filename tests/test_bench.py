@@ -25,6 +25,18 @@ def test_bench_prints_one_json_line_per_precision():
         assert abs(line["step_time_ms"] - 8000 / line["images_per_second"]) < 0.1  # batch 8 / median step
 
 
+def test_bench_without_cpu_allocation_statistics_reports_no_tensor_peak():
+    """With oneDNN off (TF's default on CPUs without AVX512_VNNI/BF16/AMX) TF counts no CPU
+    allocations: the bench still measures time and RSS and says null for the tensor peak."""
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0")
+    result = subprocess.run([sys.executable, "-m", "tfmp.bench", "--model=small_cnn", "--batch=8", "--steps=1", "--repeats=1",
+                             "--warmup=1", "--precision=fp32", "--method=supervised"], cwd=REPO, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = json.loads(result.stdout)
+    assert line["peak_tensor_mb"] is None and line["images_per_second"] > 0 and line["peak_rss_mb"] > 0
+
+
 def test_analytic_flops_of_a_dense_layer():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")])
     assert bench.forward_flops_per_example(model, (4,)) == 2 * 4 * 3

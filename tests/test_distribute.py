@@ -48,6 +48,9 @@ def test_per_replica_batch():
     assert distribute.per_replica_batch_size(64, 2) == 32
 
 
+LEARNING_RATE = 0.05
+
+
 def _train(strategy, initial_weights, images, labels, steps):
     """Trains small_cnn (synchronized BatchNorm) for `steps` SGD steps on fixed global batches.
 
@@ -57,7 +60,7 @@ def _train(strategy, initial_weights, images, labels, steps):
     with strategy.scope():
         encoder = models.build_encoder("small_cnn", (8, 8, 1), models.NormSettings(synchronized=True, fused=False))
         model = models.build_classifier(encoder, 10)
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if initial_weights is not None:
         model.set_weights(initial_weights)
@@ -67,7 +70,14 @@ def _train(strategy, initial_weights, images, labels, steps):
 
 
 def test_mirrored_on_two_cpu_devices_matches_one_device():
-    """Same init, same global batches, same steps: the weights agree (float32, atol 1e-5)."""
+    """Same init, same global batches, same steps: each variable ends where one device's does,
+    to within 1% of how far training moved it.
+
+    Not bit-equal: two replicas sum in another order, and synchronized BatchNorm's cross-replica
+    variance is the one-pass E[x^2] - E[x]^2 where one device takes the two-pass moments. Measured:
+    0.04% of the movement after one step, 0.3% after four (momentum carries it). A 2% error in
+    the update (learning rate x 1.02 on the mirrored side) measured 2.9%, so 1% still fails on
+    a wrong gradient average or a wrong batch split."""
     rng = np.random.default_rng(0)
     images = rng.random((128, 8, 8, 1), dtype=np.float32)
     labels = rng.integers(0, 10, 128).astype(np.int32)
@@ -80,10 +90,10 @@ def test_mirrored_on_two_cpu_devices_matches_one_device():
     assert mirrored_strategy.num_replicas_in_sync == 2
     mirrored = _train(mirrored_strategy, initial, images, labels, steps=4)
 
-    moved = max(np.abs(a - b).max() for a, b in zip(initial, single))
-    assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
-    for one, two in zip(single, mirrored):
-        np.testing.assert_allclose(two, one, atol=1e-5, rtol=1e-4)
+    for index, (before, one, two) in enumerate(zip(initial, single, mirrored)):
+        movement = np.linalg.norm(one - before)
+        assert movement > 1e-3, f"variable {index} did not move: the comparison would mean nothing"
+        assert np.linalg.norm(two - one) <= 0.01 * movement, (index, np.linalg.norm(two - one) / movement)
 
 
 def test_multi_worker_fixes_leave_other_strategies_to_keras():

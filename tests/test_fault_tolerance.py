@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import AUTO_PRECISION, REPO
 
-ARGS = ["--flagfile=experiments/digits_supervised.cfg", "--epochs=10", "--checkpoint_every_steps=5", "--precision=bf16",
+ARGS = ["--flagfile=experiments/digits_supervised.cfg", "--epochs=10", "--checkpoint_every_steps=5", f"--precision={AUTO_PRECISION}",
         "--strategy=off"]
 STEPS = 10 * (1437 // 128)
 

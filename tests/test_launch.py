@@ -10,7 +10,7 @@ import pytest
 
 from test_fault_tolerance import _checkpoint_steps, _wait_for_checkpoint
 
-from conftest import REPO
+from conftest import AUTO_PRECISION, REPO
 from tfmp import launch
 
 
@@ -41,7 +41,7 @@ def test_flags_the_launcher_owns_are_refused(tmp_path):
     assert result.returncode == 2 and "--strategy=mirrored is set by the launcher" in result.stderr
 
 
-DIGITS = ["--flagfile=experiments/digits_supervised.cfg", "--epochs=6", "--precision=bf16"]
+DIGITS = ["--flagfile=experiments/digits_supervised.cfg", "--epochs=6", f"--precision={AUTO_PRECISION}"]
 
 
 def _metrics(workdir):

@@ -1,5 +1,7 @@
 """tfmp.precision: names, `auto` resolution, policies, and loss scaling."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -65,6 +67,16 @@ def test_fp16_on_a_cpu_warns(hardware):
     hardware(cpu_flags={"avx512_bf16"})
     with pytest.warns(UserWarning, match="slower than float32"):
         assert precision.resolve("fp16")[0] == "mixed_float16"
+
+
+def test_bf16_on_a_cpu_without_bf16_units_warns_and_with_them_does_not(hardware):
+    hardware(cpu_flags={"avx2", "fma"})
+    with pytest.warns(UserWarning, match="emulated through float32"):
+        assert precision.resolve("bf16") == ("mixed_bfloat16", "explicit choice (emulated on this CPU)")
+    hardware(cpu_flags={"avx512_bf16"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert precision.resolve("bf16") == ("mixed_bfloat16", "explicit choice")
 
 
 @pytest.mark.parametrize("policy, compute_dtype", [("float32", "float32"), ("mixed_float16", "float16"),

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import AUTO_PRECISION
 from tfmp import train, training
 from tfmp.config import Config
 
@@ -21,7 +22,7 @@ def pretrained(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("simclr") / "run"
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run([sys.executable, "-m", "tfmp.train", *TINY, f"--workdir={workdir}", "--strategy=mirrored",
-                             "--num_cpu_devices=2", "--precision=bf16"], capture_output=True, text=True, env=environment,
+                             "--num_cpu_devices=2", f"--precision={AUTO_PRECISION}"], capture_output=True, text=True, env=environment,
                             cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir

@@ -67,6 +67,7 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
     tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
 
     from tfmp import models, precision
+    from tfmp.diagnostics import memory
     from tfmp.data.augment import AugmentConfig
     from tfmp.ssl.simclr import SimCLR
 
@@ -104,7 +105,7 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         float(logs["loss"])  # wait for the last step to finish
 
     run_steps(args.warmup)
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    counts_tensors = memory.reset_peak_memory("CPU:0")
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
@@ -129,7 +130,8 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         "gflops_per_second": round(flops / median / 1e9, 1),
         "flop_source": "analytic: 2 x MACs of Conv2D/Dense forward, x3 for training" + (", x2 views" if views == 2 else ""),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "peak_tensor_mb": round(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20, 1),
+        # None where TF keeps no CPU allocation statistics (oneDNN off; see memory.reset_peak_memory)
+        "peak_tensor_mb": round(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20, 1) if counts_tensors else None,
     }
 
 

@@ -49,6 +49,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_has_bf16_units() -> bool:
+    """Whether the CPU computes bf16 natively (AVX512_BF16 or AMX); elsewhere oneDNN and Eigen
+    emulate bf16 through float32, which is slower and needs more memory than float32 itself."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
 def tpu_vm_chips_present() -> bool:
     """Whether this machine is a TPU VM: chips appear as /dev/accel* (v2-v4) or /dev/vfio/N (v5+)."""
     return any(os.path.exists(f"/dev/accel{i}") for i in range(8)) or bool(
@@ -95,10 +101,9 @@ def resolve(name: str = AUTO) -> tuple[str, str]:
             if lowest >= (7, 0):
                 return MIXED_FLOAT16, f"GPU compute capability {lowest[0]}.{lowest[1]} has fp16 tensor cores but no bf16"
             return FLOAT32, f"GPU compute capability {lowest[0]}.{lowest[1]} < 7.0 has no fast low-precision units"
-        flags = cpu_flags()
-        for flag in ("avx512_bf16", "amx_bf16"):
-            if flag in flags:
-                return MIXED_BFLOAT16, f"CPU has {flag}: oneDNN runs bf16 matmuls/convs natively"
+        if cpu_has_bf16_units():
+            flag = "amx_bf16" if "amx_bf16" in cpu_flags() else "avx512_bf16"
+            return MIXED_BFLOAT16, f"CPU has {flag}: oneDNN runs bf16 matmuls/convs natively"
         return FLOAT32, "CPU without AVX512_BF16 or AMX: no fast low-precision units (fp16 is never chosen on a CPU)"
 
     if name == MIXED_BFLOAT16 and gpus and min(gpus) < (8, 0):
@@ -114,6 +119,15 @@ def resolve(name: str = AUTO) -> tuple[str, str]:
             stacklevel=2,
         )
         return name, "explicit choice (slow on CPU)"
+    if name == MIXED_BFLOAT16 and not gpus and not tpu_present() and not cpu_has_bf16_units():
+        # Measured on a Zen 3 EPYC (AVX2 only): bf16 digits training ~7x slower than float32
+        # (BUILD_NOTES.md, "Machine and versions").
+        warnings.warn(
+            "mixed_bfloat16 on a CPU without AVX512_BF16/AMX is emulated through float32: several times slower "
+            "than float32, which is what --precision=auto picks here",
+            stacklevel=2,
+        )
+        return name, "explicit choice (emulated on this CPU)"
     return name, "explicit choice"
 
 

@@ -128,6 +128,19 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
     )
 
 
+def reset_peak_memory(device: str = "CPU:0") -> bool:
+    """Resets `device`'s peak-bytes counter; False where TensorFlow keeps no statistics for it.
+
+    On a CPU, TF counts allocations only when its oneDNN kernels are on, which is its default
+    only on CPUs with AVX512_VNNI, AVX512_BF16 or AMX (`TF_ENABLE_ONEDNN_OPTS=1` forces it).
+    """
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError:  # "Cannot reset memory stats for device 'CPU:0'"
+        return False
+    return True
+
+
 def measure_step_peak(model: keras.Model, images: np.ndarray, labels: np.ndarray, device: str = "CPU:0") -> int:
     """Peak bytes allocated on `device` during one forward + backward pass, above what was
     allocated before it (variables and the batch itself excluded)."""
@@ -141,7 +154,11 @@ def measure_step_peak(model: keras.Model, images: np.ndarray, labels: np.ndarray
         return tape.gradient(loss, model.trainable_variables)
 
     step()  # trace and warm up outside the measurement
-    tf.config.experimental.reset_memory_stats(device)
+    if not reset_peak_memory(device):
+        raise RuntimeError(
+            f"TensorFlow keeps no allocation statistics for {device} in this process: with oneDNN off (TF's default "
+            "on CPUs without AVX512_VNNI/AVX512_BF16/AMX) the CPU allocator does not count; "
+            "set TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow starts")
     before = tf.config.experimental.get_memory_info(device)["current"]
     step()
     return tf.config.experimental.get_memory_info(device)["peak"] - before
