@@ -1,19 +1,19 @@
 """Test setup: the CPU is split into 2 logical devices before TensorFlow starts, so
 multi-replica behaviour (MirroredStrategy) can be tested on a machine without GPUs.
 
-TF turns its oneDNN CPU kernels on by default only on CPUs with AVX512_VNNI / AVX512_BF16 /
-AMX; without oneDNN, TF's CPU allocator keeps no statistics, and the memory tests
-(`tf.config.experimental.get_memory_info("CPU:0")`) cannot measure. The suite asks for
-oneDNN everywhere (subprocesses inherit it), so every CI machine runs the kernels
-tfmp's bf16 users run.
+The suite runs in the environment tfmp's entry points set (`tfmp/tf_environment.py`),
+subprocesses included: in particular oneDNN's CPU kernels on every x86-64 CPU. TF turns them
+on by default only on CPUs with AVX512_VNNI / AVX512_BF16 / AMX, and without them its CPU
+allocator keeps no statistics, so the memory tests could not measure.
 """
 
 import os
 import subprocess
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+from tfmp import tf_environment
+
+tf_environment.prepare()
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

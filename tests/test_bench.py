@@ -12,7 +12,10 @@ from tfmp import bench, models
 
 
 def test_bench_prints_one_json_line_per_precision():
+    """Also: with TF_ENABLE_ONEDNN_OPTS unset, the bench (like tfmp.train) turns oneDNN on, so
+    TF counts tensor bytes even on CPUs where its default is off."""
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    environment.pop("TF_ENABLE_ONEDNN_OPTS", None)
     result = subprocess.run([sys.executable, "-m", "tfmp.bench", "--model=small_cnn", "--batch=8", "--steps=2", "--repeats=2",
                              "--warmup=1", "--precision=fp32,bf16"], cwd=REPO, env=environment, capture_output=True, text=True,
                             timeout=600)

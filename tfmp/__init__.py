@@ -8,6 +8,7 @@ Where things live:
     tfmp.optimizers  optimizers and learning-rate schedules
     tfmp.callbacks   checkpoints/resume, telemetry, TensorBoard
     tfmp.config      the config schema and its flags
+    tfmp.tf_environment  what TensorFlow reads when it loads (set by the entry points first)
     tfmp.ssl         SimCLR, NT-Xent, probes, small-data guard
     tfmp.training    `run(config, workdir)`, used by the CLI `python -m tfmp.train`
 

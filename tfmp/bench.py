@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from tfmp import tf_environment
+
+tf_environment.prepare()  # the environment tfmp.train runs in (log level, oneDNN kernels)
 
 METHODS = ("simclr", "supervised")
 

@@ -11,11 +11,12 @@ Exit codes: 0 report printed; 2 usage or input error.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from tfmp import tf_environment
+
+tf_environment.prepare()  # before TensorFlow loads: log level, oneDNN kernels
 
 from absl import flags  # noqa: E402
 

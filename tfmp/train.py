@@ -12,8 +12,9 @@ import logging
 import os
 import sys
 
-# Before TensorFlow loads: keep its C++ INFO/WARNING chatter out of the user's terminal.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from tfmp import tf_environment
+
+tf_environment.prepare()  # before TensorFlow loads: log level, oneDNN kernels
 
 from absl import flags  # noqa: E402
 
