@@ -145,3 +145,34 @@ def test_non_finite_weights_after_the_last_save_still_fail_the_run(tmp_path):
     checkpointing.on_epoch_end(0)
     guard.on_train_end()
     assert guard.diagnosis is not None and "non-finite weights at the end of training" in guard.diagnosis
+
+
+def _linear_regression_that_diverges_in_epoch(diverging_epoch, tmp_path, loss_explosion_factor):
+    """Least squares with SGD: learning rate 0.1 converges; from `diverging_epoch` (0-based) on, 1.5
+    makes every step multiply the error by ~2, so the loss grows ~4x per step and stays finite for a while."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch: 1.5 if epoch >= diverging_epoch else 0.1)
+    guard_callbacks = callbacks.default_callbacks(str(tmp_path), loss_explosion_factor=loss_explosion_factor)
+    history = model.fit(x, y, batch_size=8, epochs=diverging_epoch + 3, shuffle=False, verbose=0,
+                        callbacks=[schedule, *guard_callbacks])
+    guard = next(c for c in guard_callbacks if isinstance(c, callbacks.NaNGuard))
+    return model, guard, history
+
+
+def test_a_finite_loss_explosion_restores_then_stops_with_a_diagnosis(tmp_path):
+    model, guard, _ = _linear_regression_that_diverges_in_epoch(3, tmp_path, loss_explosion_factor=1000.0)
+    assert guard.retries == 2 and model.stop_training
+    assert "x the best epoch's" in guard.events[0] and "lower --learning_rate" in guard.diagnosis
+    assert all(np.isfinite(weight).all() for weight in model.get_weights())
+
+
+def test_without_the_explosion_check_the_same_run_ends_with_a_huge_finite_loss(tmp_path):
+    """The control: what the check stopped above is a finite loss, which the other triggers miss."""
+    model, guard, history = _linear_regression_that_diverges_in_epoch(3, tmp_path, loss_explosion_factor=0)
+    losses = history.history["loss"]
+    assert guard.diagnosis is None and np.isfinite(losses[-1])
+    assert losses[-1] > 1000 * min(losses[:3])

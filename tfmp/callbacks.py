@@ -160,10 +160,12 @@ class Checkpointing(keras.callbacks.Callback):
 class NaNGuard(keras.callbacks.Callback):
     """Catches divergence: restores the last good checkpoint and retries, then stops with a diagnosis.
 
-    Triggers on a non-finite loss, on non-finite weights or statistics found when a
-    checkpoint is due (a BatchNorm model can diverge with a huge but finite loss), or on
-    more than `max_consecutive_skips` steps in a row skipped by fp16 loss scaling (the
-    scale cannot find a working value). Each
+    Triggers on a non-finite loss, on a finite one `explosion_factor` times the best
+    finished epoch's (divergence that has not reached inf yet; Keras' per-batch `loss` is
+    the epoch's running mean, so one noisy batch does not trigger it), on non-finite
+    weights or statistics found when a checkpoint is due (a BatchNorm model can diverge
+    with a huge but finite loss), or on more than `max_consecutive_skips` steps in a row
+    skipped by fp16 loss scaling (the scale cannot find a working value). Each
     trigger restores the newest checkpoint (which `Checkpointing` guarantees is
     finite) and goes on, up to `max_retries` times, as Model Garden's recovery does;
     then training stops and `diagnosis` names the likely cause. The CLI turns a
@@ -173,13 +175,17 @@ class NaNGuard(keras.callbacks.Callback):
         checkpointing: the run's `Checkpointing` callback.
         max_retries: restores before giving up.
         max_consecutive_skips: fp16 steps skipped in a row that count as a failure.
+        explosion_factor: loss / best epoch loss that counts as divergence (0: off).
     """
 
-    def __init__(self, checkpointing: Checkpointing, max_retries: int = 2, max_consecutive_skips: int = 20):
+    def __init__(self, checkpointing: Checkpointing, max_retries: int = 2, max_consecutive_skips: int = 20,
+                 explosion_factor: float = 1000.0):
         super().__init__()
         self.checkpointing = checkpointing
         self.max_retries = max_retries
         self.max_consecutive_skips = max_consecutive_skips
+        self.explosion_factor = explosion_factor
+        self._best_epoch_loss: float | None = None  # of this process's epochs; a resumed run starts afresh
         self.retries = 0
         self.events: list[str] = []
         self.diagnosis: str | None = None
@@ -200,8 +206,14 @@ class NaNGuard(keras.callbacks.Callback):
             self._recover(f"step {self._step()}: loss {loss}")
         elif nonfinite_state_step is not None:
             self._recover(f"step {nonfinite_state_step}: non-finite weights (loss {loss:.3g})")
+        elif self._exploded(loss):
+            self._recover(f"step {self._step()}: loss {loss:.3g}, {loss / self._best_epoch_loss:.3g}x the best epoch's "
+                          f"{self._best_epoch_loss:.3g}")
         elif self._skip_streak > self.max_consecutive_skips:
             self._recover(f"step {self._step()}: {self._skip_streak} fp16 steps skipped in a row")
+
+    def _exploded(self, loss: float) -> bool:
+        return bool(self.explosion_factor and self._best_epoch_loss and loss > self.explosion_factor * self._best_epoch_loss)
 
     def _step(self) -> int:
         # Read from the device only when there is something to report, not every step.
@@ -214,6 +226,9 @@ class NaNGuard(keras.callbacks.Callback):
         nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
         if nonfinite_state_step is not None and not self.model.stop_training:
             self._recover(f"step {nonfinite_state_step}: non-finite weights in epoch {epoch + 1}")
+        loss = float((logs or {}).get("loss", math.nan))
+        if math.isfinite(loss) and loss > 0 and not self.model.stop_training and not self._exploded(loss):
+            self._best_epoch_loss = min(loss, self._best_epoch_loss or math.inf)
 
     def on_train_end(self, logs=None):
         nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
@@ -398,8 +413,8 @@ def logged_history(workdir: str) -> list[dict]:
 
 
 def default_callbacks(workdir: str, *, max_to_keep: int = 3, checkpoint_every_steps: int = 0, nan_retries: int = 2,
-                      max_consecutive_skips: int = 20, replica_check_every_steps: int = 100, monitors=(),
-                      write_dir: str | None = None) -> list[keras.callbacks.Callback]:
+                      max_consecutive_skips: int = 20, loss_explosion_factor: float = 1000.0, replica_check_every_steps: int = 100,
+                      monitors=(), write_dir: str | None = None) -> list[keras.callbacks.Callback]:
     """Guards (NaN, replica consistency), checkpoints with resume, telemetry, then the loggers.
 
     The guards run before the checkpoint so that a state they reject is not saved;
@@ -416,7 +431,8 @@ def default_callbacks(workdir: str, *, max_to_keep: int = 3, checkpoint_every_st
     checkpointing = Checkpointing(os.path.join(workdir, "checkpoints"), max_to_keep=max_to_keep, every_steps=checkpoint_every_steps,
                                   save_directory=os.path.join(write_dir, "checkpoints"))
     return [
-        NaNGuard(checkpointing, max_retries=nan_retries, max_consecutive_skips=max_consecutive_skips),
+        NaNGuard(checkpointing, max_retries=nan_retries, max_consecutive_skips=max_consecutive_skips,
+                 explosion_factor=loss_explosion_factor),
         ReplicaConsistencyCheck(every_steps=replica_check_every_steps),
         checkpointing,
         PreemptionCheckpoint(checkpointing),

@@ -32,7 +32,7 @@ LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
 REMAT_MODES = ("none", "blocks", "full")
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
-CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "dry_run", "worker_hosts", "task_index", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps",
+CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "dry_run", "worker_hosts", "task_index", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps", "loss_explosion_factor",
                    "replica_check_every_steps")
 
 
@@ -111,6 +111,8 @@ class Config:
     checkpoint_every_steps: int = _field(0, "Also checkpoint every N optimizer steps (0: at epoch ends only).")
     nan_retries: int = _field(2, "On a non-finite loss, restore the last good checkpoint this many times before failing.")
     max_skipped_steps: int = _field(20, "fp16 steps skipped in a row (loss-scale overflow) that count as a failure.")
+    loss_explosion_factor: float = _field(1000.0, "A finite training loss this many times the best finished epoch's counts as "
+                                          "divergence, like a non-finite one (0: off).")
     replica_check_every_steps: int = _field(100, "Check that all replicas hold identical variables every N steps (0: epoch ends only).")
 
     def replace(self, **changes) -> "Config":
@@ -165,6 +167,8 @@ def validate(config: Config) -> Config:
     for name in ("checkpoint_every_steps", "nan_retries", "max_skipped_steps", "replica_check_every_steps"):
         if getattr(config, name) < 0:
             raise UsageError(f"{name} must be >= 0, got {getattr(config, name)}")
+    if config.loss_explosion_factor != 0 and config.loss_explosion_factor <= 1:
+        raise UsageError(f"loss_explosion_factor must be 0 (off) or > 1, got {config.loss_explosion_factor}")
     for name, value in {"learning_rate": config.learning_rate, "temperature": config.temperature,
                         "probe_learning_rate": config.probe_learning_rate, "baseline_learning_rate": config.baseline_learning_rate}.items():
         if value <= 0:

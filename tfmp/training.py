@@ -140,6 +140,7 @@ def run_callbacks(config: Config, directory: str, monitors=(), strategy: tf.dist
     chief = strategy is None or distribute.is_chief(strategy)
     return tfmp_callbacks.default_callbacks(directory, max_to_keep=config.keep_checkpoints, checkpoint_every_steps=config.checkpoint_every_steps,
                                             nan_retries=config.nan_retries, max_consecutive_skips=config.max_skipped_steps,
+                                            loss_explosion_factor=config.loss_explosion_factor,
                                             replica_check_every_steps=config.replica_check_every_steps, monitors=monitors,
                                             write_dir=None if chief else scratch_dir(directory))
 
