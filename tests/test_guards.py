@@ -60,6 +60,23 @@ def test_persistent_fp16_overflow_keeps_the_floor_skips_every_step_and_is_diagno
     assert model.stop_training
 
 
+def test_floor_and_skips_hold_under_mirrored_strategy():
+    """The scale update runs in Keras' merge_call across replicas: both replicas' overflow is
+    seen, the floor holds, and `current_loss_scale` / `skipped_steps` read the mirrored state."""
+    strategy = distribute.get_strategy("mirrored")
+    assert strategy.num_replicas_in_sync == 2
+    with strategy.scope():
+        model = _overflowing_fp16_model(min_scale=2.0**14)
+        model.optimizer.build(model.trainable_variables)
+    before = [w.copy() for w in model.get_weights()]
+    model.fit(np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32), batch_size=16, epochs=1, verbose=0)
+
+    assert precision.current_loss_scale(model.optimizer) == 2.0**14
+    assert precision.skipped_steps(model.optimizer) == 4  # 64 examples / global batch 16
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)
+
+
 def test_without_a_floor_the_scale_recovers_and_training_proceeds(tmp_path):
     model = _overflowing_fp16_model(min_scale=1.0)
     x, y = np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32)
