@@ -51,7 +51,7 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_has_bf16_units() -> bool:
     """Whether the CPU computes bf16 natively (AVX512_BF16 or AMX); elsewhere oneDNN and Eigen
-    emulate bf16 through float32, which is slower and needs more memory than float32 itself."""
+    emulate bf16 through float32, which is slower than float32 itself."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
