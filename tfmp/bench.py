@@ -11,7 +11,8 @@ supervised classifier — on synthetic images, compiles Keras' own train functio
     step_time_ms        median over repeats of (run time / steps); step_time_spread = (max-min)/median
     peak_rss_mb         the process's peak resident memory (TensorFlow runtime included)
     peak_tensor_mb      peak bytes held by TensorFlow's CPU allocator during the timed steps
-                        (tensors only: activations, gradients, weights, optimizer state)
+                        (tensors only: activations, gradients, weights, optimizer state;
+                        null where TF keeps no CPU allocation statistics, i.e. oneDNN off)
     gflops_per_second   training FLOPs per step / median step time
 
 FLOP source ("analytic"): 2 x multiply-accumulates of every Conv2D and Dense layer in the
