@@ -19,7 +19,7 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmp import distribute, precision  # noqa: E402
+from tfmp import distribute, hardware, precision  # noqa: E402
 
 NUM_TEST_DEVICES = 2
 distribute.split_cpu(NUM_TEST_DEVICES)
@@ -34,8 +34,8 @@ AUTO_PRECISION = precision.resolve("auto")[0]
 
 def pytest_collection_modifyitems(config, items):
     has_gpu = bool(tf.config.list_physical_devices("GPU"))
-    has_tpu = precision.tpu_present()
-    has_bf16_cpu = precision.cpu_has_bf16_units()
+    has_tpu = hardware.tpu_present()
+    has_bf16_cpu = hardware.cpu_has_bf16_units()
     for item in items:
         if "requires_gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU; none visible"))

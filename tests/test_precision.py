@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import models, precision
+from tfmp import hardware, models, precision
 from tfmp.config import UsageError
 
 
@@ -23,13 +23,13 @@ def test_unknown_precision_lists_the_valid_ones():
 
 
 @pytest.fixture
-def hardware(monkeypatch):
+def machine_like(monkeypatch):
     """Pretends to be a given machine: CPU flags, GPU compute capabilities, TPU presence."""
 
     def pretend(cpu_flags=(), gpus=(), tpu=False):
-        monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(cpu_flags))
-        monkeypatch.setattr(precision, "gpu_compute_capabilities", lambda: list(gpus))
-        monkeypatch.setattr(precision, "tpu_present", lambda: tpu)
+        monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(cpu_flags))
+        monkeypatch.setattr(hardware, "gpu_compute_capabilities", lambda: list(gpus))
+        monkeypatch.setattr(hardware, "tpu_present", lambda: tpu)
 
     return pretend
 
@@ -44,36 +44,36 @@ def hardware(monkeypatch):
     (dict(cpu_flags={"amx_bf16"}), "mixed_bfloat16"),
     (dict(cpu_flags={"avx2", "f16c"}), "float32"),  # never fp16 on a CPU
 ])
-def test_auto_follows_the_hardware(hardware, machine, expected):
-    hardware(**machine)
+def test_auto_follows_the_hardware(machine_like, machine, expected):
+    machine_like(**machine)
     policy, reason = precision.resolve("auto")
     assert policy == expected
     assert reason and "\n" not in reason
 
 
 def test_auto_on_this_machine_matches_its_cpu_flags():
-    expected = "mixed_bfloat16" if {"avx512_bf16", "amx_bf16"} & precision.cpu_flags() else "float32"
+    expected = "mixed_bfloat16" if {"avx512_bf16", "amx_bf16"} & hardware.cpu_flags() else "float32"
     assert precision.set_policy("auto") == expected
     assert keras.mixed_precision.global_policy().name == expected
 
 
-def test_bf16_on_a_gpu_below_8_0_is_an_error(hardware):
-    hardware(gpus=[(7, 0)])
+def test_bf16_on_a_gpu_below_8_0_is_an_error(machine_like):
+    machine_like(gpus=[(7, 0)])
     with pytest.raises(ValueError, match="compute capability >= 8.0, found 7.0"):
         precision.resolve("bf16")
 
 
-def test_fp16_on_a_cpu_warns(hardware):
-    hardware(cpu_flags={"avx512_bf16"})
+def test_fp16_on_a_cpu_warns(machine_like):
+    machine_like(cpu_flags={"avx512_bf16"})
     with pytest.warns(UserWarning, match="slower than float32"):
         assert precision.resolve("fp16")[0] == "mixed_float16"
 
 
-def test_bf16_on_a_cpu_without_bf16_units_warns_and_with_them_does_not(hardware):
-    hardware(cpu_flags={"avx2", "fma"})
+def test_bf16_on_a_cpu_without_bf16_units_warns_and_with_them_does_not(machine_like):
+    machine_like(cpu_flags={"avx2", "fma"})
     with pytest.warns(UserWarning, match="emulated through float32"):
         assert precision.resolve("bf16") == ("mixed_bfloat16", "explicit choice (emulated on this CPU)")
-    hardware(cpu_flags={"avx512_bf16"})
+    machine_like(cpu_flags={"avx512_bf16"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert precision.resolve("bf16") == ("mixed_bfloat16", "explicit choice")
@@ -178,3 +178,25 @@ def test_bad_fixed_loss_scale_is_refused(bad):
 def test_usage_error_is_a_value_error():
     # Library users catching ValueError also catch tfmp's input errors.
     assert issubclass(UsageError, ValueError)
+
+
+def test_fp16_model_with_its_loss_scale_optimizer_round_trips_through_a_keras_file_in_safe_mode(tmp_path):
+    precision.set_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1, dtype="float32")])
+    model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1), initial_scale=1024.0, min_scale=4.0, hysteresis=3),
+                  loss="mse")
+    x = np.random.default_rng(0).random((32, 4), dtype=np.float32)
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+    _apply(model.optimizer, model, np.inf)  # one skipped step, so the state is not the initial one
+    path = str(tmp_path / "fp16.keras")
+    model.save(path)
+
+    loaded = keras.saving.load_model(path)  # safe_mode=True is Keras' default
+    optimizer = loaded.optimizer
+    assert type(optimizer) is precision.LossScaleOptimizer
+    assert (optimizer.min_scale, optimizer.hysteresis, optimizer.dynamic) == (4.0, 3, True)
+    assert precision.skipped_steps(optimizer) == 1 and int(optimizer.overflow_streak.numpy()) == 1
+    assert precision.current_loss_scale(optimizer) == precision.current_loss_scale(model.optimizer)
+    assert int(optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) == 4
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert loaded.layers[0].compute_dtype == "float16"

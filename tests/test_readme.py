@@ -14,11 +14,15 @@ def _readme():
         return file.read()
 
 
-def test_library_example_runs_and_resumes(tmp_path):
+def _python_blocks():
     blocks = re.findall(r"```python\n(.*?)```", _readme(), flags=re.S)
-    assert len(blocks) == 1, "README.md should hold exactly one python example"
+    assert len(blocks) == 2, "README.md holds two python examples: the library diff's script and the custom train_step"
+    return blocks
+
+
+def test_library_example_runs_and_resumes(tmp_path):
     script = tmp_path / "example.py"
-    script.write_text(blocks[0])
+    script.write_text(_python_blocks()[0])
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     first = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True,
                            timeout=600)
@@ -32,6 +36,29 @@ def test_library_example_runs_and_resumes(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Epoch" not in second.stdout
     assert float(re.search(r"^accuracy ([0-9.]+)", second.stdout, flags=re.M).group(1)) == accuracy
+
+
+def test_custom_train_step_example_trains_under_fp16_without_the_forgotten_scale_loss_warning(tmp_path):
+    block = _python_blocks()[1]
+    assert 'set_policy("mixed_float16")' in block
+    script = tmp_path / "custom_step.py"
+    script.write_text(block + "\nassert isinstance(model.optimizer, tfmp.precision.LossScaleOptimizer)\n")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, last = map(float, re.search(r"^loss ([0-9.e+-]+) -> ([0-9.e+-]+)", result.stdout, flags=re.M).groups())
+    assert last < 0.2 * first  # it really trains: the gradients reached the weights at full size
+    assert "scale_loss" not in result.stderr
+
+    # The same model without the scale_loss line: one warning, and training barely moves.
+    forgetful = block.replace("self.optimizer.scale_loss(loss)", "loss")
+    script.write_text(forgetful)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("never went through optimizer.scale_loss()") == 1
+    first, last = map(float, re.search(r"^loss ([0-9.e+-]+) -> ([0-9.e+-]+)", result.stdout, flags=re.M).groups())
+    assert last > 0.9 * first
 
 
 def test_ci_runs_the_readme_test_command():

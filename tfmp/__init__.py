@@ -2,6 +2,8 @@
 
 Where things live:
     tfmp.precision   policies, `auto` from hardware, loss scaling
+    tfmp.hardware    what the machine has: CPU flags, bf16 units, GPUs, TPUs
+    tfmp.compilation XLA: `--jit_compile=auto|true|false` and what it compiles per strategy
     tfmp.distribute  tf.distribute strategies by name, CPU splitting, seeds
     tfmp.data        dataset registry and input pipelines
     tfmp.models      encoders and classifiers
@@ -11,6 +13,8 @@ Where things live:
     tfmp.tf_environment  what TensorFlow reads when it loads (set by the entry points first)
     tfmp.ssl         SimCLR, NT-Xent, probes, small-data guard
     tfmp.training    `run(config, workdir)`, used by the CLI `python -m tfmp.train`
+    tfmp.diagnostics precision doctor, memory estimate
+    tfmp.keras_internals, tfmp.upstream   private Keras hooks (fenced, version-checked) and upstream workarounds
 
 Submodules import on first use, so `import tfmp` alone does not start TensorFlow.
 """
@@ -19,7 +23,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("callbacks", "config", "data", "distribute", "models", "optimizers", "precision", "ssl", "training", "workdir")
+_SUBMODULES = ("callbacks", "compilation", "config", "data", "diagnostics", "distribute", "hardware", "keras_internals", "models",
+               "optimizers", "precision", "ssl", "tf_environment", "training", "upstream", "workdir")
 
 
 def __getattr__(name):

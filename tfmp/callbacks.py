@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import distribute, precision
+from tfmp import distribute, keras_internals, precision
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Checkpointing(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         epoch = self.restore()
         if epoch:
-            self.model._initial_epoch = epoch  # the hook Keras' own BackupAndRestore uses
+            keras_internals.set_initial_epoch(self.model, epoch)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._current_epoch = epoch
@@ -255,7 +255,7 @@ class NaNGuard(keras.callbacks.Callback):
 
     def diagnose(self) -> str:
         """One paragraph: what happened, the likely cause, what to change."""
-        policy = keras.mixed_precision.global_policy().name
+        policy = precision.global_policy_name()
         optimizer = self.model.optimizer
         learning_rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
         scale = precision.current_loss_scale(optimizer)

@@ -14,6 +14,7 @@ the flagfile. The resolved config is written to `WORKDIR/config.json`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import re
@@ -21,9 +22,41 @@ import re
 from absl import flags
 
 TASKS = ("supervised", "simclr", "linear_eval", "finetune")
-PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+
+
+class Precision(str, enum.Enum):
+    """The precisions tfmp runs, by their Keras policy names (`auto`: chosen from the hardware).
+
+    A `str` enum, so a member compares equal to its name and serialises as it.
+    """
+
+    FLOAT32 = "float32"
+    MIXED_FLOAT16 = "mixed_float16"
+    MIXED_BFLOAT16 = "mixed_bfloat16"
+    AUTO = "auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, name: "str | Precision") -> "Precision":
+        """The member for a name or alias (`fp32`, `fp16`, `bf16`; any case).
+
+        Raises:
+            UsageError: not a known precision; the message lists the valid ones.
+        """
+        key = str(name).strip().lower()
+        key = PRECISION_ALIASES.get(key, key)
+        try:
+            return cls(key)
+        except ValueError:
+            raise UsageError(f"unknown precision {name!r}; valid: {', '.join(PRECISION_NAMES)}") from None
+
+
+PRECISIONS = tuple(member.value for member in Precision if member is not Precision.AUTO)  # the concrete policies
 PRECISION_ALIASES = {"fp32": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
 PRECISION_NAMES = PRECISIONS + tuple(PRECISION_ALIASES) + ("auto",)
+JIT_COMPILE_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "off", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
 DATASETS = ("digits", "folder:PATH", "tfds:NAME", "synthetic")
 MODELS = ("small_cnn", "resnet18_cifar", "resnet50")
@@ -32,7 +65,7 @@ LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
 REMAT_MODES = ("none", "blocks", "full")
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
-CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "dry_run", "worker_hosts", "task_index", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps", "loss_explosion_factor",
+CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "dry_run", "jit_compile", "worker_hosts", "task_index", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps", "loss_explosion_factor",
                    "replica_check_every_steps")
 
 
@@ -46,11 +79,7 @@ def canonical_precision(name: str) -> str:
     Raises:
         UsageError: not a known precision; the message lists the valid ones.
     """
-    key = str(name).strip().lower()
-    key = PRECISION_ALIASES.get(key, key)
-    if key not in PRECISIONS + ("auto",):
-        raise UsageError(f"unknown precision {name!r}; valid: {', '.join(PRECISION_NAMES)}")
-    return key
+    return Precision.parse(name).value
 
 
 def _field(default, help_text: str):
@@ -69,6 +98,8 @@ class Config:
     model: str = _field("small_cnn", f"Encoder: {', '.join(MODELS)}.")
     image_size: int = _field(0, "Resize images to this side length; 0 keeps the data set's own size.")
     precision: str = _field("auto", f"Precision: {', '.join(PRECISION_NAMES)}.")
+    jit_compile: str = _field("auto", f"Compile training steps with XLA: {', '.join(JIT_COMPILE_CHOICES)} (auto: on TPUs, and on "
+                                      "a single GPU as Keras does; off on CPUs, where XLA measured slower).")
     strategy: str = _field("auto", f"Distribution strategy: {', '.join(STRATEGIES)}.")
     num_cpu_devices: int = _field(0, "Split the CPU into this many logical devices (0: leave it whole).")
     tpu: str = _field("", "TPU for --strategy=tpu: 'local' on a TPU VM, empty on Colab, else a name or grpc:// address.")
@@ -145,6 +176,7 @@ def validate(config: Config) -> Config:
     _choice("optimizer", config.optimizer, OPTIMIZERS)
     _choice("learning_rate_scaling", config.learning_rate_scaling, LEARNING_RATE_SCALINGS)
     _choice("remat", config.remat, REMAT_MODES)
+    _choice("jit_compile", config.jit_compile, JIT_COMPILE_CHOICES)
     precision = canonical_precision(config.precision)
     dataset = config.dataset
     if dataset.startswith("folder:"):

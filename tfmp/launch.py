@@ -1,10 +1,16 @@
-"""`python -m tfmp.launch --num_workers=N [tfmp.train flags...]` — multi-worker training on one machine.
+"""`python -m tfmp.launch --num_workers=N [tfmp.train flags... | SCRIPT.py [args...]]` — multi-worker training on one machine.
 
-Starts N `python -m tfmp.train` worker processes on 127.0.0.1, each with free ports and
-its own `--worker_hosts/--task_index` (which `tfmp.train` turns into TF_CONFIG), so the
-run uses TensorFlow's own multi-worker runtime (`MultiWorkerMirroredStrategy`, gRPC
-collectives) exactly as it would across machines. Worker 0 is the chief: it alone
-writes config.json, metrics.json, checkpoints and the encoder to --workdir.
+Starts N worker processes on 127.0.0.1, each with free ports, so the run uses TensorFlow's
+own multi-worker runtime (`MultiWorkerMirroredStrategy`, gRPC collectives) exactly as it
+would across machines:
+
+* by default, `python -m tfmp.train` with its own `--worker_hosts/--task_index` (which
+  `tfmp.train` turns into TF_CONFIG). Worker 0 is the chief: it alone writes config.json,
+  metrics.json, checkpoints and the encoder to --workdir;
+* with a Python file as the first argument, a user's own script (`python SCRIPT.py args`),
+  with TF_CONFIG set for it, as `torchrun` or `accelerate launch` do: the script creates
+  `tf.distribute.MultiWorkerMirroredStrategy()` (or `tfmp.distribute.get_strategy(
+  "multi_worker_mirrored")`) and trains as it would on one machine.
 
 Each worker's output is streamed with a `[worker i]` prefix. If a worker exits with
 an error, the others are stopped (they would otherwise wait for it forever), and the
@@ -14,6 +20,7 @@ launcher exits with the worst exit code. Only loopback addresses are ever used.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -50,15 +57,23 @@ def exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def worker_command(train_args: list[str], hosts: list[str], index: int) -> tuple[list[str], dict]:
+    """The command and environment of worker `index`: tfmp.train with cluster flags, or a script with TF_CONFIG."""
+    environment = dict(os.environ)
+    if train_args and train_args[0].endswith(".py"):
+        environment["TF_CONFIG"] = json.dumps({"cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}})
+        return [sys.executable, *train_args], environment
+    environment.pop("TF_CONFIG", None)  # each worker gets its own from --worker_hosts/--task_index
+    return [sys.executable, "-m", "tfmp.train", *train_args, "--strategy=multi_worker_mirrored",
+            f"--worker_hosts={','.join(hosts)}", f"--task_index={index}"], environment
+
+
 def launch(num_workers: int, train_args: list[str], poll_seconds: float = 0.2) -> int:
     """Runs the workers to completion; returns the launcher's exit code."""
-    hosts = ",".join(f"{LOOPBACK}:{port}" for port in free_ports(num_workers))
-    environment = dict(os.environ)
-    environment.pop("TF_CONFIG", None)  # each worker gets its own from --worker_hosts/--task_index
+    hosts = [f"{LOOPBACK}:{port}" for port in free_ports(num_workers)]
     processes = []
     for index in range(num_workers):
-        command = [sys.executable, "-m", "tfmp.train", *train_args, "--strategy=multi_worker_mirrored",
-                   f"--worker_hosts={hosts}", f"--task_index={index}"]
+        command, environment = worker_command(train_args, hosts, index)
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
         threading.Thread(target=_stream, args=(process, f"[worker {index}]"), daemon=True).start()
         processes.append(process)
@@ -94,8 +109,12 @@ def main(argv: list[str]) -> int:
     if args.num_workers < 1:
         print(f"tfmp.launch: error: num_workers must be >= 1, got {args.num_workers}", file=sys.stderr)
         return 2
+    if train_args and train_args[0].endswith(".py") and not os.path.isfile(train_args[0]):
+        print(f"tfmp.launch: error: script {train_args[0]}: no such file", file=sys.stderr)
+        return 2
+    script = bool(train_args) and train_args[0].endswith(".py")
     bad = [arg for arg in train_args if arg.split("=")[0] in ("--strategy", "--worker_hosts", "--task_index", "--num_cpu_devices")]
-    if bad:
+    if bad and not script:
         print(f"tfmp.launch: error: {' '.join(bad)} is set by the launcher; remove it", file=sys.stderr)
         return 2
     return launch(args.num_workers, train_args)

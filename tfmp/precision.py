@@ -1,13 +1,15 @@
-"""Precision: policy names, `auto` resolution from the hardware, and loss scaling.
+"""Precision: `auto` resolution from the hardware, the Keras global policy, and loss scaling.
 
 Everything tfmp knows about numeric precision lives here:
 
-* the three policies tfmp supports (`float32`, `mixed_float16`, `mixed_bfloat16`),
-  their short aliases, and `auto`, which picks one from the hardware and says why;
-* `set_policy`, which sets the Keras global dtype policy;
+* `resolve` / `set_policy`: the three policies tfmp supports (`tfmp.config.Precision`:
+  `float32`, `mixed_float16`, `mixed_bfloat16`, with aliases), and `auto`, which picks
+  one from the hardware (`tfmp.hardware`) and says why;
+* `global_policy_name`: the one reader of the Keras global policy in tfmp;
 * `wrap_optimizer` and `LossScaleOptimizer`, Keras' loss-scale optimizer with a floor
-  (`min_scale`), hysteresis and a fixed-scale mode, so that a run of overflows cannot
-  drive the scale to zero;
+  (`min_scale`), hysteresis, a fixed-scale mode, an overflow decision taken over all
+  replicas at once (`tfmp/upstream.py`), and a warning when a custom `train_step`
+  forgets `optimizer.scale_loss`;
 * `current_loss_scale` / `skipped_steps`, readable also under `MirroredStrategy`.
 
 Under a mixed policy Keras keeps variables in float32 and computes in the low
@@ -16,64 +18,20 @@ precision; tfmp's models add a float32 output layer so logits and losses stay fl
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import re
+import threading
 import warnings
 
 import keras
 import tensorflow as tf
 
-from tfmp.config import PRECISIONS, canonical_precision as canonical_name
+from tfmp import hardware, keras_internals, upstream
+from tfmp.config import Precision, canonical_precision as canonical_name
 
-FLOAT32, MIXED_FLOAT16, MIXED_BFLOAT16 = PRECISIONS
-AUTO = "auto"
+FLOAT32, MIXED_FLOAT16, MIXED_BFLOAT16, AUTO = (member.value for member in Precision)
 
 logger = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- hardware
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags from /proc/cpuinfo (empty where that file does not exist)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_bf16_units() -> bool:
-    """Whether the CPU computes bf16 natively (AVX512_BF16 or AMX); elsewhere oneDNN and Eigen
-    emulate bf16 through float32, which is slower than float32 itself."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def tpu_vm_chips_present() -> bool:
-    """Whether this machine is a TPU VM: chips appear as /dev/accel* (v2-v4) or /dev/vfio/N (v5+)."""
-    return any(os.path.exists(f"/dev/accel{i}") for i in range(8)) or bool(
-        os.path.isdir("/dev/vfio") and [n for n in os.listdir("/dev/vfio") if n.isdigit()]
-    )
-
-
-def tpu_present() -> bool:
-    """Whether this process can see a TPU (TPU VM chips, or Colab / GKE TPU variables)."""
-    return bool(os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR")) or tpu_vm_chips_present()
-
-
-def gpu_compute_capabilities() -> list[tuple[int, int]]:
-    """The compute capability (major, minor) of each visible GPU."""
-    capabilities = []
-    for gpu in tf.config.list_physical_devices("GPU"):
-        details = tf.config.experimental.get_device_details(gpu)
-        capabilities.append(tuple(details.get("compute_capability", (0, 0))))
-    return capabilities
 
 
 def resolve(name: str = AUTO) -> tuple[str, str]:
@@ -90,9 +48,10 @@ def resolve(name: str = AUTO) -> tuple[str, str]:
             (bf16 on a GPU below compute capability 8.0).
     """
     name = canonical_name(name)
-    gpus = gpu_compute_capabilities()
+    gpus = hardware.gpu_compute_capabilities()
+    tpu = hardware.tpu_present()
     if name == AUTO:
-        if tpu_present():
+        if tpu:
             return MIXED_BFLOAT16, "TPU found: TPUs compute natively in bfloat16"
         if gpus:
             lowest = min(gpus)
@@ -101,8 +60,8 @@ def resolve(name: str = AUTO) -> tuple[str, str]:
             if lowest >= (7, 0):
                 return MIXED_FLOAT16, f"GPU compute capability {lowest[0]}.{lowest[1]} has fp16 tensor cores but no bf16"
             return FLOAT32, f"GPU compute capability {lowest[0]}.{lowest[1]} < 7.0 has no fast low-precision units"
-        if cpu_has_bf16_units():
-            flag = "amx_bf16" if "amx_bf16" in cpu_flags() else "avx512_bf16"
+        if hardware.cpu_has_bf16_units():
+            flag = "amx_bf16" if "amx_bf16" in hardware.cpu_flags() else "avx512_bf16"
             return MIXED_BFLOAT16, f"CPU has {flag}: oneDNN runs bf16 matmuls/convs natively"
         return FLOAT32, "CPU without AVX512_BF16 or AMX: no fast low-precision units (fp16 is never chosen on a CPU)"
 
@@ -112,14 +71,14 @@ def resolve(name: str = AUTO) -> tuple[str, str]:
             f"precision mixed_bfloat16 needs a GPU with compute capability >= 8.0, found {major}.{minor}; "
             "valid here: mixed_float16, float32"
         )
-    if name == MIXED_FLOAT16 and not gpus and not tpu_present():
+    if name == MIXED_FLOAT16 and not gpus and not tpu:
         warnings.warn(
             "mixed_float16 on a CPU is slower than float32 (no fp16 arithmetic units); "
             "use mixed_bfloat16 where the CPU has AVX512_BF16/AMX, else float32",
             stacklevel=2,
         )
         return name, "explicit choice (slow on CPU)"
-    if name == MIXED_BFLOAT16 and not gpus and not tpu_present() and not cpu_has_bf16_units():
+    if name == MIXED_BFLOAT16 and not gpus and not tpu and not hardware.cpu_has_bf16_units():
         # Measured on a Zen 3 EPYC (AVX2 only): bf16 digits training ~7x slower than float32
         # (BUILD_NOTES.md, "Machine and versions").
         warnings.warn(
@@ -134,7 +93,7 @@ def resolve(name: str = AUTO) -> tuple[str, str]:
 def set_policy(name: str = AUTO) -> str:
     """Sets the Keras global dtype policy and returns the resolved policy name.
 
-    `auto` logs the reason for its choice in one line.
+    The choice and its reason are logged in one line.
     """
     policy_name, reason = resolve(name)
     keras.mixed_precision.set_global_policy(policy_name)
@@ -143,22 +102,31 @@ def set_policy(name: str = AUTO) -> str:
 
 
 def global_policy_name() -> str:
-    """The name of the Keras global dtype policy now in force."""
+    """The name of the Keras global dtype policy now in force (tfmp reads it nowhere else)."""
     return keras.mixed_precision.global_policy().name
 
 
 # ----------------------------------------------------------------------- loss scaling
 
 
+@keras.saving.register_keras_serializable(package="tfmp")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
-    """Keras' dynamic `LossScaleOptimizer`, with a floor, hysteresis and a fixed mode.
+    """Keras' dynamic `LossScaleOptimizer`, with a floor, hysteresis, a fixed mode, and an
+    overflow decision that holds across replicas.
 
     Keras halves the scale on every overflow with no lower bound, so a stretch of
     overflowing steps drives it toward zero and every later gradient underflows.
     This subclass (as DeepSpeed does) halves only after `hysteresis` consecutive
-    overflowing steps, never below `min_scale`, and counts the skipped steps. Steps
-    with non-finite gradients are still skipped, through Keras' own code path, which
-    handles `merge_call` under `tf.distribute`.
+    overflowing steps, never below `min_scale`, and counts the skipped steps.
+
+    Under `tf.distribute`, a step is skipped on every replica when any replica's
+    gradients are non-finite, and the scale changes once per step: Keras 3.15 decides
+    per replica before the all-reduce and takes replica 0's answer, which applies a
+    step that overflowed on replica 1 and turns every weight NaN (`tfmp/upstream.py`).
+
+    A step whose loss never went through `scale_loss` (a custom `train_step` that
+    forgot it) gets its gradients divided by the scale; `apply` logs one warning
+    with the fix when it sees that.
 
     Args:
         inner_optimizer: the optimizer to wrap.
@@ -189,6 +157,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.min_scale = float(min_scale)
         self.hysteresis = int(hysteresis)
         self.dynamic = bool(dynamic)
+        # Per thread: MirroredStrategy traces each replica's step in a thread of its own.
+        self._loss_scaled = threading.local()
+        self._warned_unscaled_loss = False
 
     def build(self, var_list):
         super().build(var_list)
@@ -196,6 +167,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         with keras.name_scope(self.name, caller=self):
             self.overflow_streak = self.add_variable(shape=(), dtype="int", initializer="zeros", aggregation="none", name="overflow_streak")
             self.skipped_steps = self.add_variable(shape=(), dtype="int", initializer="zeros", aggregation="none", name="skipped_steps")
+
+    def scale_loss(self, loss):
+        self._loss_scaled.seen = True
+        return super().scale_loss(loss)
+
+    def apply(self, grads, trainable_variables=None):
+        if not getattr(self._loss_scaled, "seen", False) and not self._warned_unscaled_loss:
+            self._warned_unscaled_loss = True
+            logger.warning(
+                "LossScaleOptimizer.apply() ran in a step whose loss never went through optimizer.scale_loss(): its "
+                "gradients are divided by the loss scale (%g) and training barely moves; in a custom train_step write "
+                "`loss = self.optimizer.scale_loss(loss)` before `tape.gradient`", float(self.initial_scale))
+        self._loss_scaled.seen = False
+        super().apply(grads, trainable_variables)
+
+    def _tf_apply(self, grads, trainable_variables=None):
+        upstream.apply_loss_scaled_step(self, grads, trainable_variables)
 
     def _stateful_handle_finite_grads(self, grads, trainable_variables):
         self.overflow_streak.assign(0)
@@ -303,8 +291,8 @@ def keep_float32(model: keras.Model, pattern: str) -> list[str]:
     except re.error as error:
         raise ValueError(f"--float32_layers={pattern!r} is not a valid regular expression: {error}") from None
     changed = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if not list(layer._flatten_layers(include_self=False)) and regex.search(layer.name):
+    for layer in keras_internals.leaf_layers(model):
+        if regex.search(layer.name):
             layer.dtype_policy = FLOAT32
             changed.append(layer.name)
     if not changed:

@@ -7,12 +7,12 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from tfmp import keras_internals
+
 
 def leaf_layers(model: keras.Model) -> list[keras.layers.Layer]:
     """The layers that compute (no sub-layers, not inputs), through nested models."""
-    layers = model._flatten_layers(include_self=False, recursive=True)
-    return [layer for layer in layers if not list(layer._flatten_layers(include_self=False))
-            and not isinstance(layer, keras.layers.InputLayer)]
+    return [layer for layer in keras_internals.leaf_layers(model) if not isinstance(layer, keras.layers.InputLayer)]
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmp import precision
 from tfmp.diagnostics.layer_outputs import captured_outputs, leaf_layers
 from tfmp.models.layers import BatchNormalization
 from tfmp.models.remat import CheckpointedBlock
@@ -119,7 +120,7 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
     trainable = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
     activations = activation_bytes_per_example(model, input_shape) * per_replica_batch * views
     return MemoryEstimate(
-        precision=keras.mixed_precision.global_policy().name,
+        precision=precision.global_policy_name(),
         per_replica_batch=per_replica_batch,
         params_bytes=params,
         gradients_bytes=trainable,
