@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import precision
+from tfmp import hardware
 from tfmp.config import STRATEGIES
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def _tpu_strategy(tpu: str | None) -> tf.distribute.TPUStrategy:
             else Colab's / GKE's TPU from the environment); otherwise a TPU name or
             a `grpc://host:port` address.
     """
-    if not tpu and precision.tpu_vm_chips_present():
+    if not tpu and hardware.tpu_vm_chips_present():
         tpu = "local"
     try:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu or "")
@@ -132,7 +132,7 @@ def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu:
     cpus = tf.config.list_logical_devices("CPU")
 
     if name == "auto":
-        if precision.tpu_present():
+        if hardware.tpu_present():
             name = "tpu"
         elif len(gpus) > 1 or (not gpus and len(cpus) > 1):
             name = "mirrored"
@@ -228,7 +228,7 @@ def check_replica_consistency(model, atol: float = 0.0) -> list[str]:
     return differing
 
 
-def augmentation_streams_differ(strategy: tf.distribute.Strategy, augment_fn, images) -> bool:
+def augmentation_streams_differ(strategy: tf.distribute.Strategy, augment_fn, images, jit_compile: bool = False) -> bool:
     """Whether replicas augment *the same* images differently (they must, or data parallelism
     multiplies one augmentation instead of drawing new ones).
 
@@ -236,8 +236,10 @@ def augmentation_streams_differ(strategy: tf.distribute.Strategy, augment_fn, im
         strategy: the strategy whose replicas to compare.
         augment_fn: images -> augmented images, run in replica context.
         images: one batch, given identically to every replica.
+        jit_compile: compile each replica's augmentation with XLA (as a TPU or `--jit_compile` step does).
     """
-    results = strategy.experimental_local_results(strategy.run(tf.function(lambda: augment_fn(images))))
+    replica_fn = tf.function(lambda: augment_fn(images), jit_compile=jit_compile)
+    results = strategy.experimental_local_results(strategy.run(replica_fn))
     outputs = [np.asarray(result) for result in results]
     return all(not np.allclose(outputs[i], outputs[j]) for i in range(len(outputs)) for j in range(i + 1, len(outputs)))
 

@@ -23,7 +23,7 @@ import tensorflow as tf
 import tfmp
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import data as tfmp_data
-from tfmp import distribute, models, optimizers, precision, workdir as run_directory
+from tfmp import compilation, distribute, models, optimizers, precision, workdir as run_directory
 from tfmp.config import Config, UsageError, validate
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
             optimizer=optimizers.make_optimizer(config, steps_per_epoch),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+            jit_compile=compilation.for_keras(jit_compile(config, strategy), strategy),
         )
     train = tfmp_data.classification_pipeline(data.train, batch, training=True, seed=config.seed, indices=indices)
     test = tfmp_data.classification_pipeline(data.test, batch, training=False)
@@ -122,6 +123,11 @@ def apply_float32_layers(model: keras.Model, config: Config) -> None:
     except ValueError as error:
         raise UsageError(str(error)) from None
     logger.info("float32 layers: %s", ", ".join(names))
+
+
+def jit_compile(config: Config, strategy: tf.distribute.Strategy) -> bool:
+    """Whether this run's steps compile with XLA (`--jit_compile`, resolved for the strategy's devices)."""
+    return compilation.resolve(config.jit_compile, strategy.num_replicas_in_sync)[0]
 
 
 def scratch_root() -> str:
@@ -208,8 +214,10 @@ def prepare(config: Config) -> tuple[Config, str, tf.distribute.Strategy]:
                                            worker_hosts=hosts, task_index=config.task_index)
         policy = precision.set_policy(config.precision)
         distribute.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
+        xla, reason = compilation.resolve(config.jit_compile, strategy.num_replicas_in_sync)
     except (ValueError, RuntimeError) as error:
         raise UsageError(str(error)) from None
+    logger.info("jit_compile: %s (%s); XLA compiles: %s", xla, reason, compilation.scope(xla, strategy))
     distribute.set_seed(config.seed)
     return config, policy, strategy
 
@@ -263,6 +271,8 @@ def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
         "precision": policy,
         "strategy": distribute.strategy_name(strategy),
         "num_replicas": strategy.num_replicas_in_sync,
+        "jit_compile": jit_compile(config, strategy),
+        "xla_scope": compilation.scope(jit_compile(config, strategy), strategy),
         "global_batch_size": config.global_batch_size,
         "per_replica_batch_size": config.global_batch_size // strategy.num_replicas_in_sync,
         "epochs": config.epochs,

@@ -48,38 +48,90 @@ class AugmentConfig:
     noise_stddev: float = 0.0
 
 
+# One algorithm everywhere: `auto_select` (TF's default) may pick another generator under XLA than
+# in a plain graph, and a run must draw the same augmentations with and without jit_compile.
+RNG_ALGORITHM = "philox"
+
+
 def step_seed(base_seed: int, step: tf.Tensor, replica_id: tf.Tensor | int) -> tf.Tensor:
     """A [2] int32 seed unique to (run seed, step, replica)."""
     seed = tf.stack([tf.constant(base_seed, tf.int32), tf.cast(step, tf.int32)])
-    return tf.random.experimental.stateless_fold_in(seed, tf.cast(replica_id, tf.int32))
+    return tf.random.experimental.stateless_fold_in(seed, tf.cast(replica_id, tf.int32), alg=RNG_ALGORITHM)
 
 
-def _split(seed: tf.Tensor, count: int) -> list[tf.Tensor]:
-    return tf.unstack(tf.random.experimental.stateless_split(seed, num=count))
+def split_seed(seed: tf.Tensor, count: int) -> list[tf.Tensor]:
+    """`count` independent seeds derived from `seed`."""
+    return tf.unstack(tf.random.experimental.stateless_split(seed, num=count, alg=RNG_ALGORITHM))
+
+
+def _unit_uniform(seed, shape) -> tf.Tensor:
+    """Uniform floats in [0, 1) from 24 random bits each.
+
+    TF's XLA and CPU kernels draw the same Philox bits for a seed but turn them into floats
+    differently (measured: same uint32 draws, different `stateless_uniform` floats), so the
+    bits are drawn as integers and converted here: the same numbers with and without XLA."""
+    bits = tf.random.stateless_uniform(shape, seed, minval=None, maxval=None, dtype=tf.uint32, alg=RNG_ALGORITHM)
+    return tf.cast(tf.bitwise.right_shift(bits, 8), tf.float32) * (1.0 / (1 << 24))
 
 
 def _uniform(seed, batch, low=0.0, high=1.0):
-    return tf.random.stateless_uniform([batch], seed, minval=low, maxval=high)
+    return low + (high - low) * _unit_uniform(seed, [batch])
+
+
+def _normal(seed, shape) -> tf.Tensor:
+    """Standard normal draws (Box-Muller over `_unit_uniform`, so XLA and graphs agree)."""
+    radius_seed, angle_seed = split_seed(seed, 2)
+    radius = tf.sqrt(-2.0 * tf.math.log1p(-_unit_uniform(radius_seed, shape)))  # log1p(-u): u < 1, never log(0)
+    return radius * tf.cos(2.0 * math.pi * _unit_uniform(angle_seed, shape))
 
 
 def _apply_where(mask, augmented, original):
     return tf.where(tf.reshape(mask, [-1, 1, 1, 1]), augmented, original)
 
 
-def random_resized_crop(images: tf.Tensor, seed: tf.Tensor, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tf.Tensor:
-    """Crops a random box (area fraction in `scale`, aspect ratio in `ratio`) per image, resized back."""
-    batch = tf.shape(images)[0]
-    height, width = images.shape[1], images.shape[2]
-    area_seed, ratio_seed, y_seed, x_seed = _split(seed, 4)
+def _bilinear_weights(start: tf.Tensor, length: tf.Tensor, size: int) -> tf.Tensor:
+    """[batch, size, size] bilinear sampling weights: output pixel i of image b reads input pixels
+    around `start[b] + i * length[b] / (size - 1)` (pixel units), as `tf.image.crop_and_resize` does.
+
+    The tent function max(0, 1 - |position - k|) is exactly bilinear interpolation's weight of input
+    pixel k, and is zero outside the image (crop_and_resize's extrapolation value 0)."""
+    steps = tf.range(size, dtype=tf.float32) / max(size - 1, 1)
+    positions = start[:, None] + length[:, None] * steps[None, :]  # [batch, size]
+    pixels = tf.range(size, dtype=tf.float32)
+    return tf.nn.relu(1.0 - tf.abs(positions[:, :, None] - pixels[None, None, :]))
+
+
+def crop_boxes(batch: tf.Tensor, seed: tf.Tensor, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tf.Tensor:
+    """[batch, 4] random boxes (top, left, bottom, right; normalised), area fraction in `scale`,
+    aspect ratio in `ratio` (log-uniform), placed uniformly inside the image."""
+    area_seed, ratio_seed, y_seed, x_seed = split_seed(seed, 4)
     area = _uniform(area_seed, batch, *scale)
-    log_ratio = _uniform(ratio_seed, batch, math.log(ratio[0]), math.log(ratio[1]))
-    aspect = tf.exp(log_ratio)
+    aspect = tf.exp(_uniform(ratio_seed, batch, math.log(ratio[0]), math.log(ratio[1])))
     box_width = tf.minimum(tf.sqrt(area * aspect), 1.0)
     box_height = tf.minimum(tf.sqrt(area / aspect), 1.0)
     top = _uniform(y_seed, batch) * (1.0 - box_height)
     left = _uniform(x_seed, batch) * (1.0 - box_width)
-    boxes = tf.stack([top, left, top + box_height, left + box_width], axis=1)
-    return tf.image.crop_and_resize(images, boxes, tf.range(batch), (height, width))
+    return tf.stack([top, left, top + box_height, left + box_width], axis=1)
+
+
+def resize_crops(images: tf.Tensor, boxes: tf.Tensor) -> tf.Tensor:
+    """Each image's box, resized (bilinear) back to the image's size.
+
+    Same result as `tf.image.crop_and_resize(images, boxes, range(batch), (height, width))` to
+    float32 round-off, computed as two batched matrix products with per-image interpolation
+    matrices: `CropAndResize` has no XLA kernel, so TPUs (which compile every step) and
+    `jit_compile=True` could not run it.
+    """
+    height, width = images.shape[1], images.shape[2]
+    top, left, bottom, right = tf.unstack(boxes, axis=1)
+    rows = _bilinear_weights(top * (height - 1), (bottom - top) * (height - 1), height)  # [batch, out rows, in rows]
+    columns = _bilinear_weights(left * (width - 1), (right - left) * (width - 1), width)  # [batch, out cols, in cols]
+    return tf.einsum("bih,bhwc,bjw->bijc", rows, images, columns)
+
+
+def random_resized_crop(images: tf.Tensor, seed: tf.Tensor, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tf.Tensor:
+    """Crops a random box (`crop_boxes`) per image, resized back to the image's size."""
+    return resize_crops(images, crop_boxes(tf.shape(images)[0], seed, scale, ratio))
 
 
 def random_flip(images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
@@ -105,7 +157,7 @@ def _rotate_hue(images: tf.Tensor, angle: tf.Tensor) -> tf.Tensor:
 def color_jitter(images: tf.Tensor, seed: tf.Tensor, strength: float) -> tf.Tensor:
     """Brightness, contrast, saturation (0.8 s) and hue (0.2 s) jitter, drawn per image."""
     batch = tf.shape(images)[0]
-    brightness_seed, contrast_seed, saturation_seed, hue_seed = _split(seed, 4)
+    brightness_seed, contrast_seed, saturation_seed, hue_seed = split_seed(seed, 4)
 
     def factor(factor_seed, amount):
         return tf.reshape(_uniform(factor_seed, batch, max(0.0, 1 - amount), 1 + amount), [-1, 1, 1, 1])
@@ -154,7 +206,7 @@ def simclr_augment(images: tf.Tensor, seed: tf.Tensor, config: AugmentConfig = A
     """
     images = tf.cast(images, tf.float32)
     batch = tf.shape(images)[0]
-    (crop_seed, flip_seed, jitter_seed, jitter_gate, gray_gate, blur_seed, blur_gate, noise_seed) = _split(seed, 8)
+    (crop_seed, flip_seed, jitter_seed, jitter_gate, gray_gate, blur_seed, blur_gate, noise_seed) = split_seed(seed, 8)
     images = random_resized_crop(images, crop_seed, config.crop_scale, config.crop_ratio)
     if config.flip:
         images = random_flip(images, flip_seed)
@@ -167,5 +219,5 @@ def simclr_augment(images: tf.Tensor, seed: tf.Tensor, config: AugmentConfig = A
     if config.blur_probability > 0 and images.shape[1] >= 16:
         images = _apply_where(_uniform(blur_gate, batch) < config.blur_probability, gaussian_blur(images, blur_seed), images)
     if config.noise_stddev > 0:
-        images = images + config.noise_stddev * tf.random.stateless_normal(tf.shape(images), noise_seed)
+        images = images + config.noise_stddev * _normal(noise_seed, tf.shape(images))
     return tf.clip_by_value(images, 0.0, 1.0)

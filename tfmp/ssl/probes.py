@@ -12,10 +12,13 @@ import numpy as np
 import tensorflow as tf
 
 
-def extract_features(encoder: keras.Model, dataset: tf.data.Dataset) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes a batched `(images, labels)` dataset; returns float32 features and labels."""
+def extract_features(encoder: keras.Model, dataset: tf.data.Dataset, jit_compile: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes a batched `(images, labels)` dataset; returns float32 features and labels.
+
+    The kNN vote and the probe's standardisation run on the host (NumPy / Keras), on features
+    already computed; only the encoder's forward pass is a device step (XLA with `jit_compile`)."""
     features, labels = [], []
-    encode = tf.function(lambda images: tf.cast(encoder(images, training=False), tf.float32))
+    encode = tf.function(lambda images: tf.cast(encoder(images, training=False), tf.float32), jit_compile=jit_compile)
     for images, batch_labels in dataset:
         features.append(encode(images).numpy())
         labels.append(batch_labels.numpy())
@@ -46,7 +49,7 @@ def knn_accuracy(bank: np.ndarray, bank_labels: np.ndarray, queries: np.ndarray,
 
 def linear_probe(train_features: np.ndarray, train_labels: np.ndarray, test_features: np.ndarray, test_labels: np.ndarray,
                  num_classes: int, *, epochs: int = 200, learning_rate: float = 1e-2, weight_decay: float = 1e-4,
-                 batch_size: int = 256, seed: int = 0) -> float:
+                 batch_size: int = 256, seed: int = 0, jit_compile: bool = False) -> float:
     """Trains a linear classifier on standardised frozen features; returns test accuracy.
 
     Runs outside any distribution strategy and in float32: the features are already
@@ -58,7 +61,7 @@ def linear_probe(train_features: np.ndarray, train_labels: np.ndarray, test_feat
     model = keras.Sequential([keras.Input(train_features.shape[1:]), normalization,
                               keras.layers.Dense(num_classes, dtype="float32")])
     model.compile(optimizer=keras.optimizers.AdamW(learning_rate, weight_decay=weight_decay),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"], jit_compile=jit_compile)
     model.fit(train_features, train_labels, epochs=epochs, batch_size=min(batch_size, len(train_features)), verbose=0)
     return float(model.evaluate(test_features, test_labels, verbose=0)[1])
 
@@ -72,10 +75,12 @@ class KNNMonitor(keras.callbacks.Callback):
         queries: batched labeled dataset that is classified.
         num_classes: number of classes.
         every_epochs: how often to measure (and always at the last epoch).
+        jit_compile: compile the feature extraction with XLA.
     """
 
-    def __init__(self, encoder, bank, queries, num_classes: int, every_epochs: int = 10, k: int = 20):
+    def __init__(self, encoder, bank, queries, num_classes: int, every_epochs: int = 10, k: int = 20, jit_compile: bool = False):
         super().__init__()
+        self.jit_compile = jit_compile
         self.encoder, self.bank, self.queries = encoder, bank, queries
         self.num_classes, self.every_epochs, self.k = num_classes, every_epochs, k
         self.last_accuracy = None
@@ -84,8 +89,8 @@ class KNNMonitor(keras.callbacks.Callback):
         last = epoch + 1 == self.params.get("epochs")
         if not last and (epoch + 1) % self.every_epochs:
             return
-        bank, bank_labels = extract_features(self.encoder, self.bank)
-        queries, query_labels = extract_features(self.encoder, self.queries)
+        bank, bank_labels = extract_features(self.encoder, self.bank, self.jit_compile)
+        queries, query_labels = extract_features(self.encoder, self.queries, self.jit_compile)
         self.last_accuracy = knn_accuracy(bank, bank_labels, queries, query_labels, self.num_classes, self.k)
         if logs is not None:
             logs["knn_accuracy"] = self.last_accuracy

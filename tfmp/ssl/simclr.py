@@ -26,6 +26,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmp import compilation
 from tfmp.data import augment
 from tfmp.models.layers import NormSettings, batch_norm
 from tfmp.ssl.losses import nt_xent
@@ -65,6 +66,14 @@ class SimCLR(keras.Model):
         self.contrastive_accuracy = keras.metrics.Mean(name="contrastive_accuracy")
         self.probe_loss_tracker = keras.metrics.Mean(name="probe_loss")
         self.probe_accuracy = keras.metrics.SparseCategoricalAccuracy(name="probe_accuracy")
+        self._compiled_views = None  # set by compile(jit_compile=True) on several mirrored replicas
+
+    def compile(self, optimizer=None, *, jit_compile="auto", **kwargs):
+        """Keras' `compile`; `jit_compile=True` on several mirrored replicas compiles each replica's
+        augmentations with XLA instead of the whole step, which XLA cannot (`tfmp.compilation`)."""
+        per_replica = compilation.scope(jit_compile is True, self.distribute_strategy) == compilation.REPLICA_AUGMENTATIONS
+        self._compiled_views = tf.function(self._draw_views, jit_compile=True) if per_replica else None
+        super().compile(optimizer=optimizer, jit_compile=compilation.for_keras(jit_compile, self.distribute_strategy), **kwargs)
 
     def build(self, input_shape):
         features = self.encoder.output_shape[-1]
@@ -88,7 +97,10 @@ class SimCLR(keras.Model):
         context = tf.distribute.get_replica_context()
         replica_id = context.replica_id_in_sync_group if context is not None else 0
         seed = augment.step_seed(self.seed, self.optimizer.iterations, replica_id)
-        first_seed, second_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+        return (self._compiled_views or self._draw_views)(images, seed)
+
+    def _draw_views(self, images: tf.Tensor, seed: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        first_seed, second_seed = augment.split_seed(seed, 2)
         return (augment.simclr_augment(images, first_seed, self.augment_config),
                 augment.simclr_augment(images, second_seed, self.augment_config))
 

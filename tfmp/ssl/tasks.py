@@ -22,7 +22,7 @@ from tfmp.config import Config, UsageError
 from tfmp.data.augment import AugmentConfig
 from tfmp.ssl import guard, probes
 from tfmp.ssl.simclr import SimCLR
-from tfmp.training import apply_float32_layers, find, fit_classifier, loss_scale_metrics, raise_if_failed, run_callbacks, verbosity
+from tfmp.training import apply_float32_layers, find, fit_classifier, jit_compile, loss_scale_metrics, raise_if_failed, run_callbacks, verbosity
 
 logger = logging.getLogger(__name__)
 ENCODER_FILE = "encoder.keras"
@@ -47,23 +47,24 @@ def mean_over_draws(per_draw: list[dict]) -> dict:
     return summary
 
 
-def evaluate_encoder(config: Config, data: tfmp_data.ImageData, encoder: keras.Model, labeled) -> dict:
+def evaluate_encoder(config: Config, data: tfmp_data.ImageData, encoder: keras.Model, labeled, xla: bool = False) -> dict:
     """Linear probe and kNN accuracy on the test split, from the labeled train examples only."""
     bank = tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=labeled)
     test = tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False)
-    train_features, train_labels = probes.extract_features(encoder, bank)
-    test_features, test_labels = probes.extract_features(encoder, test)
+    train_features, train_labels = probes.extract_features(encoder, bank, jit_compile=xla)
+    test_features, test_labels = probes.extract_features(encoder, test, jit_compile=xla)
     return {
         "linear_probe_accuracy": probes.linear_probe(train_features, train_labels, test_features, test_labels, data.num_classes,
                                                      epochs=config.probe_epochs, learning_rate=config.probe_learning_rate,
-                                                     seed=config.seed),
+                                                     seed=config.seed, jit_compile=xla),
         "knn_accuracy": probes.knn_accuracy(train_features, train_labels, test_features, test_labels, data.num_classes),
     }
 
 
-def evaluate_over_draws(config: Config, data: tfmp_data.ImageData, encoder: keras.Model) -> dict:
+def evaluate_over_draws(config: Config, data: tfmp_data.ImageData, encoder: keras.Model, xla: bool = False) -> dict:
     """`evaluate_encoder` on each of `--label_draws` label subsets, averaged."""
-    per_draw = [evaluate_encoder(config, data, encoder, labeled_indices(config, data, draw)) for draw in range(config.label_draws)]
+    per_draw = [evaluate_encoder(config, data, encoder, labeled_indices(config, data, draw), xla)
+                for draw in range(config.label_draws)]
     return {"labeled_examples": int(len(labeled_indices(config, data))), **mean_over_draws(per_draw)}
 
 
@@ -90,7 +91,7 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
                        augment_config=augment_config(config), seed=config.seed, norm=norm)
         model.build((None, *data.image_shape))
         apply_float32_layers(model, config)
-        model.compile(optimizer=optimizers.make_optimizer(config, steps_per_epoch))
+        model.compile(optimizer=optimizers.make_optimizer(config, steps_per_epoch), jit_compile=jit_compile(config, strategy))
 
     warnings = guard.check(len(unlabeled), config.epochs, config.global_batch_size, encoder.count_params())
     for warning in warnings:
@@ -101,7 +102,7 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
                                                  visible_labels=visible)
     knn = probes.KNNMonitor(encoder, tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=labeled),
                             tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False), data.num_classes,
-                            every_epochs=config.knn_every_epochs)
+                            every_epochs=config.knn_every_epochs, jit_compile=jit_compile(config, strategy))
     callbacks = run_callbacks(config, workdir, monitors=[knn], strategy=strategy)
     checkpointing = find(callbacks, tfmp_callbacks.Checkpointing)
     throughput = tfmp_callbacks.Throughput(config.global_batch_size)
@@ -121,7 +122,7 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
         "unlabeled_examples": len(unlabeled),
         "small_data_warnings": warnings,
         **loss_scale_metrics(model.optimizer),
-        **evaluate_over_draws(config, data, encoder),
+        **evaluate_over_draws(config, data, encoder, jit_compile(config, strategy)),
     }
     if config.compare_supervised:
         per_draw = []
@@ -151,7 +152,7 @@ def linear_eval(config: Config, data: tfmp_data.ImageData, strategy: tf.distribu
     """`--task=linear_eval --encoder=PATH`: linear probe and kNN of a saved encoder."""
     encoder = _load_encoder(config.encoder)
     _check_encoder_input(encoder, data, config.encoder)
-    return {"encoder": config.encoder, **evaluate_over_draws(config, data, encoder)}
+    return {"encoder": config.encoder, **evaluate_over_draws(config, data, encoder, jit_compile(config, strategy))}
 
 
 def finetune(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str, extra_callbacks=()) -> dict:

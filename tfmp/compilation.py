@@ -1,0 +1,87 @@
+"""XLA: whether tfmp compiles its steps (`--jit_compile=auto|true|false`), decided per device with a reason.
+
+TPUs compile every step with XLA whatever Keras is told, and Keras' own `jit_compile="auto"`
+turns XLA on by itself on a machine with one GPU and no `tf.distribute` strategy; so every
+step tfmp runs (supervised, SimCLR with its augmentations, the probes' feature extraction
+and linear probe) is written to compile, and `tests/test_xla.py` compiles each on the CPU,
+whose XLA op set is the check for TPU readiness here.
+
+`auto` picks what is fastest and safe where it was measured or is the platform's rule:
+
+| where | auto | why |
+|---|---|---|
+| TPU | on | TPUs run XLA only |
+| one GPU, no multi-replica strategy | on | what Keras' `jit_compile="auto"` does there |
+| several GPUs | off | Keras turns XLA off under `tf.distribute`; not measured by tfmp (no GPU on its machines) |
+| CPU | off | XLA measured slower than TF's oneDNN graphs on tfmp's CPUs, and erases the bf16 gain (BUILD_NOTES.md) |
+
+What "on" compiles depends on the strategy (`scope`). XLA compiles one device's program.
+Keras' `jit_compile=True` compiles the function that calls `strategy.run`, which under
+`MirroredStrategy` spans every replica's device and fails ("Trying to access resource ...
+located in device CPU:1 from device CPU:0"; Keras' own `auto` turns XLA off under
+tf.distribute for this reason). A replica's step cannot be compiled on its own either: it
+holds synchronisation points (gradient all-reduce, synchronized BatchNorm, NT-Xent's
+all-gather) that `merge_call` cannot enter from inside XLA. So:
+
+| strategy | what XLA compiles |
+|---|---|
+| one replica | the whole training step (Keras' `jit_compile=True`) |
+| TPUStrategy | each replica's whole step, collectives included (TPUStrategy does it; Keras is told False) |
+| several mirrored replicas | each replica's augmentations (SimCLR's views, the op-heavy part free of collectives); the rest runs as TF graphs |
+"""
+
+from __future__ import annotations
+
+from tfmp import hardware
+from tfmp.config import JIT_COMPILE_CHOICES, UsageError
+
+WHOLE_STEP = "whole step"
+TPU_REPLICA_STEP = "each replica's whole step (TPUStrategy)"
+REPLICA_AUGMENTATIONS = "each replica's augmentations"
+OFF = "off"
+
+
+def resolve(setting: str | bool = "auto", num_replicas: int = 1) -> tuple[bool, str]:
+    """Whether to compile training steps with XLA here, and why (one line).
+
+    Args:
+        setting: `auto`, `true` or `false` (or a bool).
+        num_replicas: replicas of the strategy the steps run under.
+
+    Raises:
+        UsageError: an unknown setting; the message lists the valid ones.
+    """
+    if isinstance(setting, bool):
+        return setting, "explicit choice"
+    setting = str(setting).strip().lower()
+    if setting not in JIT_COMPILE_CHOICES:
+        raise UsageError(f"unknown jit_compile {setting!r}; valid: {', '.join(JIT_COMPILE_CHOICES)}")
+    if setting != "auto":
+        return setting == "true", "explicit choice"
+    if hardware.tpu_present():
+        return True, "TPU: every step is compiled with XLA"
+    gpus = hardware.gpu_compute_capabilities()
+    if gpus and num_replicas == 1:
+        return True, "one GPU: XLA fuses the step (Keras' own jit_compile='auto' does the same)"
+    if gpus:
+        return False, f"{num_replicas} GPU replicas: Keras turns XLA off under tf.distribute (not measured by tfmp)"
+    return False, "CPU: XLA measured slower than TensorFlow's oneDNN graphs here"
+
+
+def scope(enabled: bool, strategy) -> str:
+    """What XLA compiles of a training step under `strategy` when `enabled` (see the module docstring)."""
+    import tensorflow as tf
+
+    if not enabled:
+        return OFF
+    if isinstance(strategy, tf.distribute.TPUStrategy):
+        return TPU_REPLICA_STEP
+    return WHOLE_STEP if strategy.num_replicas_in_sync == 1 else REPLICA_AUGMENTATIONS
+
+
+def for_keras(jit_compile, strategy) -> bool | str:
+    """The `jit_compile` to hand `model.compile` under `strategy`: Keras' own `"auto"` passes through,
+    and True only where Keras can compile the whole step (one replica, not a TPU)."""
+    if jit_compile == "auto":
+        return "auto"
+    return scope(bool(jit_compile), strategy) == WHOLE_STEP
