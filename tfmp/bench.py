@@ -64,9 +64,12 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    # Thread pools must be set before TensorFlow runs anything; 0 leaves TF's default (one per core).
-    tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
-    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
+    # Thread pools must be set before TensorFlow runs anything; 0 leaves TF's default (one per core)
+    # and is not set at all, so a caller that already ran TensorFlow can measure with the defaults.
+    if args.intra_op_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
+    if args.inter_op_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
 
     from tfmp import models, precision
     from tfmp.diagnostics import memory
