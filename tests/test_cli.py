@@ -119,13 +119,6 @@ def test_tpu_asked_for_but_absent(run_cli, tmp_path):
     assert not workdir.exists()
 
 
-def test_batch_larger_than_the_data_set(run_cli, tmp_path):
-    workdir = tmp_path / "run"
-    result = run_cli(f"--workdir={workdir}", "--global_batch_size=4096", "--strategy=off")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "exceeds the 1437 training examples" in result.stderr.strip().splitlines()[-1]
-
-
 def test_rerun_with_another_config_is_refused_and_touches_nothing(tmp_path, capsys):
     workdir = tmp_path / "run"
     workdir.mkdir()

@@ -67,6 +67,29 @@ def test_folder_errors_name_the_problem(tmp_path):
         data.load(f"folder:{tmp_path}")
 
 
+def test_unreadable_images_are_named_before_training_or_skipped_when_asked(tmp_path):
+    _write_pngs(tmp_path / "train", ["cat", "dog"], 4)
+    _write_pngs(tmp_path / "test", ["cat", "dog"], 2)
+    good = (tmp_path / "train" / "cat" / "0.png").read_bytes()
+    (tmp_path / "train" / "cat" / "text.png").write_bytes(b"not an image")
+    (tmp_path / "train" / "dog" / "empty.jpg").write_bytes(b"")
+    (tmp_path / "test" / "dog" / "truncated.png").write_bytes(good[: len(good) // 2])
+    bad = [str(tmp_path / "train" / "cat" / "text.png"), str(tmp_path / "train" / "dog" / "empty.jpg"),
+           str(tmp_path / "test" / "dog" / "truncated.png")]
+
+    reasons = data.datasets.unreadable_images(sorted(map(str, tmp_path.rglob("*.*g"))))
+    assert sorted(reasons) == sorted(bad) and all(reasons.values())
+    with pytest.raises(ValueError) as refused:
+        data.load(f"folder:{tmp_path}")
+    message = str(refused.value)
+    assert "3 unreadable image file(s)" in message and all(path in message for path in bad) and "\n" not in message
+
+    loaded = data.load(f"folder:{tmp_path}", skip_unreadable_images=True)
+    assert (len(loaded.train), len(loaded.test)) == (8, 4)
+    images, _ = _images_and_labels(loaded.train)  # and every file left decodes
+    assert images.shape[0] == 8
+
+
 def test_tfds_through_mock_data():
     with tfds.testing.mock_data(num_examples=12):
         loaded = data.load("tfds:cifar10")

@@ -55,6 +55,15 @@ def _rerun(run_cli, workdir):
         return json.load(file), result.stderr
 
 
+def _killed_after_checkpoint(workdir, at_least):
+    """Starts a run, kills it (SIGKILL) once a checkpoint of step >= at_least exists; the steps registered."""
+    process = _start(workdir)
+    _wait_for_checkpoint(process, workdir, at_least=at_least)
+    process.kill()
+    process.wait(timeout=60)
+    return _checkpoint_steps(workdir)
+
+
 def test_kill_9_then_rerun_resumes(run_cli, tmp_path):
     workdir = str(tmp_path / "run")
     process = _start(workdir)
@@ -89,16 +98,31 @@ def test_sigterm_saves_the_current_step_and_the_rerun_resumes_from_it(run_cli, t
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(run_cli, tmp_path):
     workdir = str(tmp_path / "run")
-    process = _start(workdir)
-    _wait_for_checkpoint(process, workdir, at_least=20)
-    process.kill()
-    process.wait(timeout=60)
-    steps = _checkpoint_steps(workdir)
+    steps = _killed_after_checkpoint(workdir, at_least=20)
     newest = os.path.join(workdir, "checkpoints", f"ckpt-{steps[-1]}.data-00000-of-00001")
     with open(newest, "r+b") as file:
         file.truncate(os.path.getsize(newest) // 2)
 
     metrics, stderr = _rerun(run_cli, workdir)
-    assert f"ckpt-{steps[-1]} is corrupted or truncated" in stderr
+    assert f"skipped ckpt-{steps[-1]} (" in stderr and f"resuming from ckpt-{steps[-2]}" in stderr
     assert metrics["resumed_from_step"] == steps[-2]
     assert metrics["eval_accuracy"] >= 0.95
+
+
+def test_garbage_over_the_newest_files_and_the_state_file_falls_back(run_cli, tmp_path):
+    """The issue's case: killed after its newest checkpoint, then garbage bytes written over the
+    newest index, data file and the `checkpoint` state file."""
+    workdir = str(tmp_path / "run")
+    steps = _killed_after_checkpoint(workdir, at_least=20)
+    directory = os.path.join(workdir, "checkpoints")
+    for name in (f"ckpt-{steps[-1]}.index", f"ckpt-{steps[-1]}.data-00000-of-00001", "checkpoint"):
+        path = os.path.join(directory, name)
+        with open(path, "wb") as file:
+            file.write(os.urandom(max(64, os.path.getsize(path))))
+
+    metrics, stderr = _rerun(run_cli, workdir)
+    assert "Traceback" not in stderr
+    assert metrics["resumed_from_step"] == steps[-2] > 0
+    skipped = [line for line in stderr.splitlines() if "skipped" in line]
+    assert len(skipped) == 1 and f"skipped ckpt-{steps[-1]} (" in skipped[0] and f"resuming from ckpt-{steps[-2]}" in skipped[0]
+    assert os.path.exists(os.path.join(directory, "checkpoint.unreadable"))

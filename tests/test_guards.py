@@ -48,7 +48,7 @@ def test_persistent_fp16_overflow_keeps_the_floor_skips_every_step_and_is_diagno
     x, y = np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32)
     model.optimizer.build(model.trainable_variables)
     before = [w.copy() for w in model.get_weights()]
-    guard_callbacks = callbacks.default_callbacks(str(tmp_path), max_consecutive_skips=5)
+    guard_callbacks = callbacks.default_callbacks(str(tmp_path), max_skipped_steps=5)
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=guard_callbacks)
     guard = next(c for c in guard_callbacks if isinstance(c, callbacks.NaNGuard))
 
@@ -80,7 +80,7 @@ def test_floor_and_skips_hold_under_mirrored_strategy():
 def test_without_a_floor_the_scale_recovers_and_training_proceeds(tmp_path):
     model = _overflowing_fp16_model(min_scale=1.0)
     x, y = np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32)
-    guard_callbacks = callbacks.default_callbacks(str(tmp_path), max_consecutive_skips=50)
+    guard_callbacks = callbacks.default_callbacks(str(tmp_path), max_skipped_steps=50)
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=guard_callbacks)
     guard = next(c for c in guard_callbacks if isinstance(c, callbacks.NaNGuard))
     assert guard.diagnosis is None
@@ -106,7 +106,7 @@ def test_a_planted_replica_divergence_is_named():
     assert distribute.check_replica_consistency(model) == [kernel.path]
     assert distribute.check_replica_consistency(model, atol=1e-2) == []
 
-    check = callbacks.ReplicaConsistencyCheck(every_steps=1)
+    check = callbacks.ReplicaConsistencyCheck(replica_check_every_steps=1)
     check.set_model(model)
     with pytest.raises(callbacks.ReplicaDivergenceError, match=f"on 1 variable\\(s\\): {kernel.path}"):
         check.on_epoch_end(0)
@@ -119,7 +119,7 @@ def _train_one_epoch(model, checks=()):
 
 def test_training_on_two_replicas_with_synchronized_batchnorm_stays_consistent():
     _, model = _mirrored_model(synchronized=True)
-    _train_one_epoch(model, [callbacks.ReplicaConsistencyCheck(every_steps=1)])
+    _train_one_epoch(model, [callbacks.ReplicaConsistencyCheck(replica_check_every_steps=1)])
     assert distribute.check_replica_consistency(model) == []
 
 

@@ -13,6 +13,7 @@ Where things live:
     tfmp.tf_environment  what TensorFlow reads when it loads (set by the entry points first)
     tfmp.ssl         SimCLR, NT-Xent, probes, small-data guard
     tfmp.training    `run(config, workdir)`, used by the CLI `python -m tfmp.train`
+    tfmp.run_directory  every path and file name of a run (config.json, checkpoints/, encoder.keras, ...)
     tfmp.diagnostics precision doctor, memory estimate
     tfmp.keras_internals, tfmp.upstream   private Keras hooks (fenced, version-checked) and upstream workarounds
 
@@ -23,8 +24,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("callbacks", "compilation", "config", "data", "diagnostics", "distribute", "hardware", "keras_internals", "models",
-               "optimizers", "precision", "ssl", "tf_environment", "training", "upstream", "workdir")
+_SUBMODULES = ("bench", "callbacks", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware", "keras_internals", "launch", "models",
+               "optimizers", "precision", "run_directory", "ssl", "tf_environment", "train", "training", "upstream")
 
 
 def __getattr__(name):

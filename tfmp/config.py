@@ -94,6 +94,8 @@ class Config:
     dataset: str = _field("digits", f"Data set: {', '.join(DATASETS)}.")
     data_dir: str = _field("", "tensorflow-datasets data directory (tfds:NAME only).")
     unlabeled_split: str = _field("", "tfds split of extra unlabeled images to pretrain on (e.g. 'unlabelled' for tfds:stl10).")
+    skip_unreadable_images: bool = _field(False, "folder: datasets: train without image files that do not decode "
+                                           "(default: name them and exit 2).")
     encoder: str = _field("", "Pretrained encoder (.keras) for --task=linear_eval and --task=finetune.")
     model: str = _field("small_cnn", f"Encoder: {', '.join(MODELS)}.")
     image_size: int = _field(0, "Resize images to this side length; 0 keeps the data set's own size.")

@@ -9,7 +9,6 @@ SIGTERM after checkpointing the current step (rerun the same command to resume).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from tfmp import tf_environment
@@ -19,7 +18,7 @@ tf_environment.prepare()  # before TensorFlow loads: log level, oneDNN kernels
 from absl import flags  # noqa: E402
 
 from tfmp import config as tfmp_config  # noqa: E402
-from tfmp import workdir as run_directory  # noqa: E402
+from tfmp.run_directory import RunDirectory  # noqa: E402
 
 FLAGS = flags.FlagValues()
 tfmp_config.define_flags(FLAGS)
@@ -53,11 +52,14 @@ def main(argv: list[str]) -> int:
     # otherwise bury the one-line error.
     try:
         config = tfmp_config.validate(config)
-        finished = None if config.dry_run else run_directory.finished_metrics(config, workdir)
+        directory = RunDirectory(workdir)
+        finished = None if config.dry_run else directory.finished_metrics(config)
+        if finished is None:
+            directory.check_writable()
     except tfmp_config.UsageError as error:
         return _fail(str(error), 2)
     if finished is not None:
-        print(f"already finished: {os.path.join(workdir, run_directory.METRICS_FILE)} (nothing to do)")
+        print(f"already finished: {directory.metrics_file} (nothing to do)")
         return 0
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -66,7 +68,7 @@ def main(argv: list[str]) -> int:
     from tfmp.callbacks import Preempted
 
     try:
-        metrics = training.run(config, workdir)
+        metrics = training.run(config, directory)
     except tfmp_config.UsageError as error:
         return _fail(str(error), 2)
     except training.TrainingFailed as error:
@@ -77,9 +79,9 @@ def main(argv: list[str]) -> int:
              "supervised_baseline_accuracy")
     summary = {key: round(metrics[key], 4) if isinstance(metrics[key], float) else metrics[key] for key in shown if key in metrics}
     if config.dry_run:
-        print(f"dry run: {os.path.join(workdir, run_directory.MEMORY_ESTIMATE_FILE)}")
+        print(f"dry run: {directory.memory_estimate_file}")
         return 0
-    print(f"done: {os.path.join(workdir, 'metrics.json')} {summary}")
+    print(f"done: {directory.metrics_file} {summary}")
     return 0
 
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 import keras
@@ -23,8 +21,9 @@ import tensorflow as tf
 import tfmp
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import data as tfmp_data
-from tfmp import compilation, distribute, models, optimizers, precision, workdir as run_directory
+from tfmp import compilation, distribute, models, optimizers, precision
 from tfmp.config import Config, UsageError, validate
+from tfmp.run_directory import RunDirectory, as_run_directory
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ def loss_scale_metrics(optimizer) -> dict:
     return {"loss_scale": scale, "skipped_steps": precision.skipped_steps(optimizer)}
 
 
-def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, directory: str, *,
+def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, directory: RunDirectory, *,
                    indices=None, encoder: keras.Model | None = None, extra_callbacks=(), validate_every: int = 1) -> dict:
     """Trains encoder + linear classifier on the train split (or its `indices`); evaluates on test.
 
@@ -73,9 +72,8 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
     if indices is not None and batch > count:
         batch = max(replicas, count - count % replicas)
         logger.info("batch reduced to %d to fit the %d labeled examples", batch, count)
+    check_batch_fits(batch, count, f"training examples of {data.name}")
     steps_per_epoch = count // batch
-    if steps_per_epoch < 1:
-        raise UsageError(f"global_batch_size {batch} exceeds the {count} training examples of {data.name}")
     config = config.replace(global_batch_size=batch)
     with strategy.scope():
         # Synchronized BatchNorm on several replicas: Keras keeps a plain BatchNorm's moving
@@ -93,7 +91,7 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
     train = tfmp_data.classification_pipeline(data.train, batch, training=True, seed=config.seed, indices=indices)
     test = tfmp_data.classification_pipeline(data.test, batch, training=False)
 
-    callbacks = run_callbacks(config, directory, strategy=strategy)
+    callbacks = run_callbacks(config, directory)
     throughput = tfmp_callbacks.Throughput(batch)
     history = model.fit(train, epochs=config.epochs, validation_data=test, validation_freq=validate_every,
                         callbacks=[throughput, *callbacks, *extra_callbacks], shuffle=False, verbose=verbosity())
@@ -130,25 +128,13 @@ def jit_compile(config: Config, strategy: tf.distribute.Strategy) -> bool:
     return compilation.resolve(config.jit_compile, strategy.num_replicas_in_sync)[0]
 
 
-def scratch_root() -> str:
-    """This process's scratch folder on a non-chief worker (removed by `run` at the end)."""
-    return os.path.join(tempfile.gettempdir(), f"tfmp-worker-{os.getpid()}")
+CALLBACK_SETTINGS = ("keep_checkpoints", "checkpoint_every_steps", "nan_retries", "max_skipped_steps", "loss_explosion_factor",
+                     "replica_check_every_steps")
 
 
-def scratch_dir(directory: str) -> str:
-    """Where a non-chief worker writes what the chief writes to `directory`."""
-    return os.path.join(scratch_root(), os.path.abspath(directory).lstrip(os.sep))
-
-
-def run_callbacks(config: Config, directory: str, monitors=(), strategy: tf.distribute.Strategy | None = None):
-    """tfmp's callbacks for one training stage whose checkpoints and logs go to `directory`
-    (on a non-chief worker: resumed from there, written to scratch)."""
-    chief = strategy is None or distribute.is_chief(strategy)
-    return tfmp_callbacks.default_callbacks(directory, max_to_keep=config.keep_checkpoints, checkpoint_every_steps=config.checkpoint_every_steps,
-                                            nan_retries=config.nan_retries, max_consecutive_skips=config.max_skipped_steps,
-                                            loss_explosion_factor=config.loss_explosion_factor,
-                                            replica_check_every_steps=config.replica_check_every_steps, monitors=monitors,
-                                            write_dir=None if chief else scratch_dir(directory))
+def run_callbacks(config: Config, directory: RunDirectory, monitors=()):
+    """tfmp's callbacks for one training stage in `directory` (its settings are `Config`'s fields by name)."""
+    return tfmp_callbacks.default_callbacks(directory, monitors=monitors, **{name: getattr(config, name) for name in CALLBACK_SETTINGS})
 
 
 def find(callbacks, kind):
@@ -164,13 +150,13 @@ def raise_if_failed(callbacks, losses: list[float]) -> None:
         raise TrainingFailed(f"training loss ended at {losses[-1]}; {guard.diagnose()}")
 
 
-def train_supervised(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str,
+def train_supervised(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: RunDirectory,
                      extra_callbacks=()) -> dict:
     """`--task=supervised`: encoder + linear classifier on all train labels."""
     return fit_classifier(config, data, strategy, workdir, extra_callbacks=extra_callbacks)
 
 
-def dry_run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str) -> dict:
+def dry_run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: RunDirectory) -> dict:
     """`--dry_run`: builds the model and input pipeline, writes and prints the memory estimate
     per replica (`WORKDIR/memory_estimate.json`), and trains nothing."""
     from tfmp.diagnostics import memory
@@ -186,16 +172,38 @@ def dry_run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.S
     views = 2 if config.task == "simclr" else 1
     estimate = memory.estimate_memory(model, data.image_shape, per_replica, config.optimizer, views=views)
     values = {"task": config.task, "model": config.model, "num_replicas": strategy.num_replicas_in_sync, **estimate.to_dict()}
-    run_directory.write_json(values, workdir, run_directory.MEMORY_ESTIMATE_FILE)
+    workdir.write_memory_estimate(values)
     print(estimate.summary())
     return values
 
 
+def check_batch_fits(batch: int, count: int, what: str) -> None:
+    """UsageError unless one global batch fits in `count` examples (`what` names them)."""
+    if count // batch < 1:
+        raise UsageError(f"global_batch_size {batch} exceeds the {count} {what}; lower --global_batch_size")
+
+
+def check_model_fits(config: Config, data: tfmp_data.ImageData) -> None:
+    """UsageError unless `--model` takes the data's images (e.g. resnet50 needs at least 32x32)."""
+    try:
+        models.check_image_size(config.model, data.image_shape)
+    except ValueError as error:
+        raise UsageError(f"{error} ({data.name} has {'x'.join(map(str, data.image_shape))} images)") from None
+
+
+def check_supervised_inputs(config: Config, data: tfmp_data.ImageData) -> None:
+    check_batch_fits(config.global_batch_size, len(data.train), f"training examples of {data.name}")
+    check_model_fits(config, data)
+
+
 def _tasks() -> dict:
+    """Each task: (runs it, checks its inputs before anything is written)."""
     from tfmp.ssl import tasks as ssl_tasks  # the SSL tasks build on this module
 
-    return {"supervised": train_supervised, "simclr": ssl_tasks.pretrain_simclr, "linear_eval": ssl_tasks.linear_eval,
-            "finetune": ssl_tasks.finetune}
+    return {"supervised": (train_supervised, check_supervised_inputs),
+            "simclr": (ssl_tasks.pretrain_simclr, ssl_tasks.check_simclr_inputs),
+            "linear_eval": (ssl_tasks.linear_eval, ssl_tasks.check_encoder_inputs),
+            "finetune": (ssl_tasks.finetune, ssl_tasks.check_encoder_inputs)}
 
 
 def prepare(config: Config) -> tuple[Config, str, tf.distribute.Strategy]:
@@ -222,47 +230,52 @@ def prepare(config: Config) -> tuple[Config, str, tf.distribute.Strategy]:
     return config, policy, strategy
 
 
-def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
+def run(config: Config, workdir: str | RunDirectory, *, extra_callbacks=()) -> dict:
     """Runs (or resumes, or recognises as finished) the training run `config` in `workdir`.
 
     Args:
         config: the run's config.
-        workdir: where config.json, metrics.json, checkpoints/ and tensorboard/ go.
+        workdir: the run directory (see `tfmp.run_directory`).
         extra_callbacks: Keras callbacks added after tfmp's own.
 
     Returns:
         The run's metrics (also written to `WORKDIR/metrics.json`).
 
     Raises:
-        UsageError: bad config, data or hardware for it; nothing was written.
+        UsageError: bad config, data, files or hardware for it; nothing was written.
         TrainingFailed: the run did not train successfully.
     """
     started = time.perf_counter()
     config = validate(config)
-    finished = None if config.dry_run else run_directory.finished_metrics(config, workdir)
+    directory = as_run_directory(workdir)
+    finished = None if config.dry_run else directory.finished_metrics(config)
     if finished is not None:
-        print(f"already finished: {os.path.join(workdir, 'metrics.json')} (nothing to do)")
+        print(f"already finished: {directory.metrics_file} (nothing to do)")
         return finished
+    directory.check_writable()
 
     config, policy, strategy = prepare(config)
     try:
         data = tfmp_data.load(config.dataset, data_dir=config.data_dir or None, image_size=config.image_size, seed=config.seed,
-                              unlabeled_split=config.unlabeled_split)
+                              unlabeled_split=config.unlabeled_split, skip_unreadable_images=config.skip_unreadable_images)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if config.dry_run:
-        return dry_run(config, data, strategy, workdir)
+        return dry_run(config, data, strategy, directory)
 
+    run_task, check_inputs = _tasks()[config.task]
+    check_inputs(config, data)  # everything that can fail on user input fails here, before config.json is written
     chief = distribute.is_chief(strategy)
+    directory = directory.for_worker(chief)
     if chief:
-        run_directory.write_config(config, workdir)
+        directory.write_config(config)
     try:
-        task_metrics = _tasks()[config.task](config, data, strategy, workdir, extra_callbacks)
+        task_metrics = run_task(config, data, strategy, directory, extra_callbacks)
     except tfmp_callbacks.ReplicaDivergenceError as error:
         raise TrainingFailed(str(error)) from None
     finally:
         if not chief:
-            shutil.rmtree(scratch_root(), ignore_errors=True)
+            directory.remove_scratch()
 
     metrics = {
         "task": config.task,
@@ -283,5 +296,5 @@ def run(config: Config, workdir: str, *, extra_callbacks=()) -> dict:
         **task_metrics,
     }
     if chief:
-        run_directory.write_metrics(metrics, workdir)
+        directory.write_metrics(metrics)
     return metrics

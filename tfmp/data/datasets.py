@@ -20,6 +20,7 @@ drawn by index, seeded and class balanced, whatever the source.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Callable
 
@@ -27,6 +28,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp.config import DATASETS
+
+logger = logging.getLogger(__name__)
 DIGITS_SPLIT_SEED = 0
 TEST_FRACTION = 0.2
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
@@ -174,11 +177,48 @@ def _file_split(paths: list[str], labels: list[int], image_size: int, channels: 
     return Split(labels=labels_array, make=make, cacheable=cacheable)
 
 
-def load_folder(path: str, image_size: int = 0, seed: int = 0) -> ImageData:
+def unreadable_images(paths: list[str]) -> dict[str, str]:
+    """The files among `paths` that do not decode as images, each with the reason (TF's message).
+
+    Every file is decoded once, in parallel through tf.data (errors dropped), and only the
+    missing ones again to read their error: a corrupt file found during training would end
+    the run with a traceback mid-epoch, after hours."""
+    if not paths:
+        return {}
+
+    def decode(index, path):
+        # The index is returned with the image's size: a decode whose result is unused would be
+        # pruned from the graph and never fail.
+        image = tf.io.decode_image(tf.io.read_file(path), expand_animations=False)
+        return index, tf.size(image)
+
+    decoded = (tf.data.Dataset.from_tensor_slices((np.arange(len(paths)), np.asarray(paths)))
+               .map(decode, num_parallel_calls=tf.data.AUTOTUNE).ignore_errors().batch(4096))
+    readable = {int(index) for indices, _ in decoded.as_numpy_iterator() for index in indices}
+    reasons = {}
+    for index in sorted(set(range(len(paths))) - readable):
+        try:
+            tf.io.decode_image(tf.io.read_file(paths[index]), expand_animations=False)
+        except (tf.errors.OpError, ValueError) as error:
+            message = getattr(error, "message", str(error)).strip().splitlines()
+            reasons[paths[index]] = message[0] if message else type(error).__name__
+    return reasons
+
+
+def _drop(paths: list[str], labels: list[int], unreadable: dict[str, str]) -> tuple[list[str], list[int]]:
+    kept = [(path, label) for path, label in zip(paths, labels) if path not in unreadable]
+    return [path for path, _ in kept], [label for _, label in kept]
+
+
+def load_folder(path: str, image_size: int = 0, seed: int = 0, skip_unreadable_images: bool = False) -> ImageData:
     """Images in class subfolders of `path` (or of `path/train` and `path/test`).
 
+    Every file is decoded once before training (`unreadable_images`).
+
     Raises:
-        ValueError: the folder does not exist or holds no images in class subfolders.
+        ValueError: the folder does not exist, holds no images in class subfolders, or holds
+            files that do not decode (named, unless `skip_unreadable_images`, which drops them
+            with a warning giving their count).
     """
     if not os.path.isdir(path):
         raise ValueError(f"dataset folder:{path}: no such directory; expected PATH/<class>/*.png|jpg or PATH/train and PATH/test")
@@ -188,14 +228,26 @@ def load_folder(path: str, image_size: int = 0, seed: int = 0) -> ImageData:
     paths, labels = _list_images(train_root, classes)
     if not paths:
         raise ValueError(f"dataset folder:{path}: no images ({', '.join(IMAGE_EXTENSIONS)}) in class subfolders of {train_root}")
+    test_paths, test_labels = _list_images(os.path.join(path, "test"), classes) if has_splits else ([], [])
+
+    unreadable = unreadable_images(paths + test_paths)
+    if unreadable and not skip_unreadable_images:
+        named = "; ".join(f"{file}: {reason}" for file, reason in list(unreadable.items())[:3])
+        more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
+        raise ValueError(f"dataset folder:{path}: {len(unreadable)} unreadable image file(s): {named}{more}; "
+                         "fix or remove them, or pass --skip_unreadable_images to train without them")
+    if unreadable:
+        logger.warning("dataset folder:%s: skipping %d unreadable image file(s) (--skip_unreadable_images)", path, len(unreadable))
+        paths, labels = _drop(paths, labels, unreadable)
+        test_paths, test_labels = _drop(test_paths, test_labels, unreadable)
+        if not paths:
+            raise ValueError(f"dataset folder:{path}: no readable images left in {train_root}")
 
     first = tf.io.decode_image(tf.io.read_file(paths[0]), expand_animations=False)
     channels = 1 if first.shape[-1] == 1 else 3
     image_size = image_size or int(first.shape[0])
 
-    if has_splits:
-        test_paths, test_labels = _list_images(os.path.join(path, "test"), classes)
-    else:
+    if not has_splits:
         train_index, test_index = stratified_split(np.asarray(labels), TEST_FRACTION, seed)
         test_paths, test_labels = [paths[i] for i in test_index], [labels[i] for i in test_index]
         paths, labels = [paths[i] for i in train_index], [labels[i] for i in train_index]
@@ -275,7 +327,8 @@ def load_tfds(name: str, data_dir: str | None = None, image_size: int = 0, unlab
         ) from None
 
 
-def load(name: str, *, data_dir: str | None = None, image_size: int = 0, seed: int = 0, unlabeled_split: str = "") -> ImageData:
+def load(name: str, *, data_dir: str | None = None, image_size: int = 0, seed: int = 0, unlabeled_split: str = "",
+         skip_unreadable_images: bool = False) -> ImageData:
     """Loads a data set by its tfmp name (see the module docstring).
 
     Raises:
@@ -287,7 +340,7 @@ def load(name: str, *, data_dir: str | None = None, image_size: int = 0, seed: i
     if name == "synthetic":
         return load_synthetic(image_size, seed)
     if name.startswith("folder:") and len(name) > len("folder:"):
-        return load_folder(name[len("folder:"):], image_size, seed)
+        return load_folder(name[len("folder:"):], image_size, seed, skip_unreadable_images)
     if name.startswith("tfds:") and len(name) > len("tfds:"):
         return load_tfds(name[len("tfds:"):], data_dir, image_size, unlabeled_split)
     raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(DATASETS)}")

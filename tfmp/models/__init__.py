@@ -20,6 +20,15 @@ MINIMUM_IMAGE_SIZE = {"small_cnn": 8, "resnet18_cifar": 8, "resnet50": 32}
 assert tuple(ENCODERS) == MODELS, "tfmp.config.MODELS must list exactly the encoders built here"
 
 
+def check_image_size(name: str, input_shape: tuple[int, ...]) -> None:
+    """Raises ValueError unless encoder `name` exists and takes images of `input_shape` (its
+    downsampling needs a minimum size)."""
+    if name not in ENCODERS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(ENCODERS)}")
+    if min(input_shape[:2]) < MINIMUM_IMAGE_SIZE[name]:
+        raise ValueError(f"model {name} needs images of at least {MINIMUM_IMAGE_SIZE[name]}px, got {input_shape[0]}; set --image_size")
+
+
 def build_encoder(name: str, input_shape: tuple[int, int, int], norm: NormSettings = NormSettings(),
                   remat: str = "none") -> keras.Model:
     """Builds the encoder called `name` for images of `input_shape`.
@@ -29,10 +38,7 @@ def build_encoder(name: str, input_shape: tuple[int, int, int], norm: NormSettin
     Raises:
         ValueError: unknown name, or images too small for it.
     """
-    if name not in ENCODERS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(ENCODERS)}")
-    if min(input_shape[:2]) < MINIMUM_IMAGE_SIZE[name]:
-        raise ValueError(f"model {name} needs images of at least {MINIMUM_IMAGE_SIZE[name]}px, got {input_shape[0]}; set --image_size")
+    check_image_size(name, input_shape)
     check_mode(remat)
     return ENCODERS[name](input_shape, norm=norm, remat=remat)
 
@@ -44,4 +50,6 @@ def build_classifier(encoder: keras.Model, num_classes: int, name: str = "classi
     return keras.Model(inputs, logits, name=name)
 
 
-__all__ = ["ENCODERS", "NormSettings", "build_encoder", "build_classifier"]
+from tfmp.models import export  # noqa: E402 — `tfmp.models.export.portable(model)`, after what it builds on
+
+__all__ = ["ENCODERS", "NormSettings", "build_encoder", "build_classifier", "export"]

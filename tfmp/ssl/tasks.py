@@ -10,7 +10,6 @@ same labeled examples — the number SSL has to beat.
 from __future__ import annotations
 
 import logging
-import os
 
 import keras
 import tensorflow as tf
@@ -18,14 +17,16 @@ import tensorflow as tf
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import data as tfmp_data
 from tfmp import distribute, models, optimizers
+from tfmp.models import export
 from tfmp.config import Config, UsageError
 from tfmp.data.augment import AugmentConfig
 from tfmp.ssl import guard, probes
 from tfmp.ssl.simclr import SimCLR
-from tfmp.training import apply_float32_layers, find, fit_classifier, jit_compile, loss_scale_metrics, raise_if_failed, run_callbacks, verbosity
+from tfmp.run_directory import RunDirectory
+from tfmp.training import (apply_float32_layers, check_batch_fits, check_model_fits, find, fit_classifier, jit_compile,
+                            loss_scale_metrics, raise_if_failed, run_callbacks, verbosity)
 
 logger = logging.getLogger(__name__)
-ENCODER_FILE = "encoder.keras"
 EVAL_BATCH = 256
 
 
@@ -76,13 +77,23 @@ def baseline_config(config: Config) -> Config:
                           warmup_epochs=max(1.0, 0.05 * config.baseline_epochs))
 
 
-def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str,
+def check_simclr_inputs(config: Config, data: tfmp_data.ImageData) -> None:
+    """What `--task=simclr` needs from the user's input, checked before anything is written."""
+    unlabeled = data.unlabeled or data.train
+    check_batch_fits(config.global_batch_size, len(unlabeled), f"images of {data.name} to pretrain on")
+    for draw in range(config.label_draws):
+        try:
+            labeled_indices(config, data, draw)
+        except ValueError as error:
+            raise UsageError(f"--label_fraction={config.label_fraction} on {data.name}: {error}") from None
+    check_model_fits(config, data)
+
+
+def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: RunDirectory,
                     extra_callbacks=()) -> dict:
     """`--task=simclr`: pretrain, save the encoder, probe it, and (optionally) train the baseline."""
     unlabeled = data.unlabeled or data.train
     steps_per_epoch = len(unlabeled) // config.global_batch_size
-    if steps_per_epoch < 1:
-        raise UsageError(f"global_batch_size {config.global_batch_size} exceeds the {len(unlabeled)} images to pretrain on")
     labeled = labeled_indices(config, data)
     norm = models.NormSettings(momentum=config.bn_momentum, synchronized=True)
     with strategy.scope():
@@ -103,15 +114,16 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
     knn = probes.KNNMonitor(encoder, tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=labeled),
                             tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False), data.num_classes,
                             every_epochs=config.knn_every_epochs, jit_compile=jit_compile(config, strategy))
-    callbacks = run_callbacks(config, workdir, monitors=[knn], strategy=strategy)
+    callbacks = run_callbacks(config, workdir, monitors=[knn])
     checkpointing = find(callbacks, tfmp_callbacks.Checkpointing)
     throughput = tfmp_callbacks.Throughput(config.global_batch_size)
     history = model.fit(pretrain, epochs=config.epochs, callbacks=[throughput, *callbacks, *extra_callbacks], shuffle=False,
                         verbose=verbosity())
-    losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(workdir)[-1:]]
+    losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(workdir.history_file)[-1:]]
     raise_if_failed(callbacks, losses)
     if distribute.is_chief(strategy):
-        encoder.save(os.path.join(workdir, ENCODER_FILE))
+        # Keras' own layers only, so the file loads without tfmp (tfmp.models.export).
+        export.portable(encoder).save(workdir.encoder_file)
 
     metrics = {
         "train_loss": float(losses[-1]),
@@ -121,13 +133,14 @@ def pretrain_simclr(config: Config, data: tfmp_data.ImageData, strategy: tf.dist
         "examples_per_second": throughput.examples_per_second,
         "unlabeled_examples": len(unlabeled),
         "small_data_warnings": warnings,
+        "encoder_dtype_policy": encoder.dtype_policy.name,
         **loss_scale_metrics(model.optimizer),
         **evaluate_over_draws(config, data, encoder, jit_compile(config, strategy)),
     }
     if config.compare_supervised:
         per_draw = []
         for draw in range(config.label_draws):
-            baseline = fit_classifier(baseline_config(config), data, strategy, os.path.join(workdir, "baseline", f"draw{draw}"),
+            baseline = fit_classifier(baseline_config(config), data, strategy, workdir.stage("baseline", f"draw{draw}"),
                                       indices=labeled_indices(config, data, draw), validate_every=config.baseline_epochs)
             per_draw.append({"supervised_baseline_accuracy": baseline["eval_accuracy"]})
         metrics.update(mean_over_draws(per_draw))
@@ -148,18 +161,27 @@ def _check_encoder_input(encoder: keras.Model, data: tfmp_data.ImageData, path: 
                          "set --image_size to match")
 
 
-def linear_eval(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str, extra_callbacks=()) -> dict:
+def check_encoder_inputs(config: Config, data: tfmp_data.ImageData) -> None:
+    """`--encoder=PATH` loads (safe mode) and takes the data's images, checked before anything is written."""
+    _check_encoder_input(_load_encoder(config.encoder), data, config.encoder)
+    if config.task == "finetune":
+        labeled = labeled_indices(config, data)
+        check_batch_fits(min(config.global_batch_size, len(labeled)), len(labeled), "labeled examples")
+
+
+def linear_eval(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: RunDirectory,
+                extra_callbacks=()) -> dict:
     """`--task=linear_eval --encoder=PATH`: linear probe and kNN of a saved encoder."""
     encoder = _load_encoder(config.encoder)
     _check_encoder_input(encoder, data, config.encoder)
     return {"encoder": config.encoder, **evaluate_over_draws(config, data, encoder, jit_compile(config, strategy))}
 
 
-def finetune(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: str, extra_callbacks=()) -> dict:
+def finetune(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: RunDirectory,
+             extra_callbacks=()) -> dict:
     """`--task=finetune --encoder=PATH`: train the saved encoder + a linear head on the labeled fraction."""
     with strategy.scope():
-        encoder = _load_encoder(config.encoder)
-    _check_encoder_input(encoder, data, config.encoder)
+        encoder = export.adopt(_load_encoder(config.encoder))  # back to tfmp's fused BatchNorm for training
     labeled = labeled_indices(config, data)
     metrics = fit_classifier(config, data, strategy, workdir, indices=labeled, encoder=encoder, extra_callbacks=extra_callbacks)
     return {"encoder": config.encoder, "labeled_examples": int(len(labeled)), **metrics}

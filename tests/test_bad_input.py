@@ -1,0 +1,107 @@
+"""Bad input leaves nothing behind: each check that can fail on what a user brings (data size
+against batch, image files, encoder files, model against image size, the workdir itself) exits 2
+with one line, no traceback, before anything is written, so the corrected command then runs in
+the same workdir."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import AUTO_PRECISION
+from tfmp import train
+
+
+def _one_line_error(result, *expected):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tfmp.train: error: "), result.stderr[-2000:]
+    for text in expected:
+        assert text in last, last
+    return last
+
+
+def _image_folder(root, per_class=20, classes=("circle", "square")):
+    rng = np.random.default_rng(0)
+    for class_name in classes:
+        os.makedirs(root / class_name)
+        for index in range(per_class):
+            pixels = rng.integers(0, 255, (16, 16, 1), dtype=np.uint8)
+            tf.io.write_file(str(root / class_name / f"{index}.png"), tf.io.encode_png(pixels))
+    return root
+
+
+def test_a_small_folder_with_a_corrupt_image_then_the_corrected_commands(run_cli, tmp_path):
+    folder = _image_folder(tmp_path / "images")  # 40 images: 32 to train on, 8 to test
+    (folder / "square" / "broken.png").write_bytes(b"not a png at all")
+    workdir = tmp_path / "run"
+    args = ["--flagfile=experiments/digits_supervised.cfg", f"--dataset=folder:{folder}", f"--workdir={workdir}",
+            f"--precision={AUTO_PRECISION}", "--strategy=off", "--epochs=1"]
+
+    last = _one_line_error(run_cli(*args), "1 unreadable image file(s)", str(folder / "square" / "broken.png"),
+                           "--skip_unreadable_images")
+    assert not workdir.exists(), last
+
+    last = _one_line_error(run_cli(*args, "--skip_unreadable_images"), "global_batch_size 128 exceeds the 32 training examples",
+                           "lower --global_batch_size")
+    assert not workdir.exists(), last
+
+    result = run_cli(*args, "--skip_unreadable_images", "--global_batch_size=16")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "skipping 1 unreadable image file(s)" in result.stderr
+    assert (workdir / "metrics.json").exists()
+
+
+def test_batch_larger_than_digits_writes_nothing(run_cli, tmp_path):
+    workdir = tmp_path / "run"
+    _one_line_error(run_cli(f"--workdir={workdir}", "--global_batch_size=4096", "--strategy=off"),
+                    "exceeds the 1437 training examples")
+    assert not workdir.exists()
+
+
+def test_a_model_too_large_for_the_images(run_cli, tmp_path):
+    workdir = tmp_path / "run"
+    _one_line_error(run_cli(f"--workdir={workdir}", "--model=resnet50", "--strategy=off"),
+                    "model resnet50 needs images of at least", "set --image_size", "digits has 8x8x1 images")
+    assert not workdir.exists()
+
+
+def test_an_encoder_file_that_is_not_one(run_cli, tmp_path):
+    encoder = tmp_path / "encoder.keras"
+    encoder.write_bytes(os.urandom(512))
+    workdir = tmp_path / "run"
+    workdir.mkdir()  # an existing, empty workdir stays empty
+    _one_line_error(run_cli(f"--workdir={workdir}", "--task=linear_eval", f"--encoder={encoder}", "--strategy=off"),
+                    f"encoder {encoder}: cannot load")
+    assert os.listdir(workdir) == []
+
+
+def _read_only_workdir(tmp_path):
+    """A directory this process cannot write to: permissions, or (as root, whom permissions do
+    not stop) a folder on a read-only file system."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "read_only"
+        folder.mkdir(mode=0o500)
+        return str(folder)
+    candidate = "/sys/tfmp-run"  # sysfs refuses new folders, root or not
+    try:
+        os.mkdir(candidate)
+    except OSError:
+        return candidate
+    os.rmdir(candidate)
+    pytest.skip("running as root without a read-only file system to write to")
+
+
+@pytest.mark.parametrize("case", ["is a file", "inside a file", "read-only"])
+def test_a_workdir_that_cannot_be_written(case, tmp_path, capsys):
+    occupied = tmp_path / "occupied"
+    occupied.write_text("someone's notes")
+    workdir = {"is a file": lambda: str(occupied), "inside a file": lambda: str(occupied / "run"),
+               "read-only": lambda: _read_only_workdir(tmp_path)}[case]()
+    code = train.main(["tfmp.train", f"--workdir={workdir}", "--strategy=off"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"tfmp.train: error: workdir {workdir} is ")
+    assert "choose another --workdir" in lines[0]
+    assert occupied.read_text() == "someone's notes"

@@ -1,0 +1,203 @@
+"""Guards that stop a run from silently going wrong: divergence (NaN/inf/exploding losses, non-finite
+weights, endless fp16 skips) and replicas whose copies of the model drift apart."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import keras
+
+from tfmp import distribute, precision
+from tfmp.callbacks.checkpointing import Checkpointing, StepCounter
+from tfmp.callbacks.model_state import first_non_finite, learning_rate, logged_losses, optimizer_steps
+
+logger = logging.getLogger(__name__)
+
+
+class NaNGuard(keras.callbacks.Callback):
+    """Catches divergence: restores the last good checkpoint and retries, then stops with a diagnosis.
+
+    Watches every loss the model logs (`loss`, or a custom model's `c_loss`, `p_loss`, ...) and
+    triggers on one that is not finite, on one `loss_explosion_factor` times its best finished
+    epoch (divergence that has not reached inf yet; Keras' per-batch logs are the epoch's
+    running means, so one noisy batch does not trigger it), on non-finite weights or optimizer
+    state found when a checkpoint is due (a BatchNorm model can diverge with a huge but finite
+    loss), or on more than `max_skipped_steps` steps in a row skipped by fp16 loss scaling in
+    any of the model's optimizers. Each trigger restores the newest checkpoint (which
+    `Checkpointing` guarantees is finite) and goes on, up to `nan_retries` times, as Model
+    Garden's recovery does; then training stops and `diagnosis` names the step, the loss, the
+    optimizers' learning rates and the likely cause. The CLI turns a diagnosis into exit code 1.
+
+    Args:
+        checkpointing: the run's `Checkpointing` callback (also its step count).
+        nan_retries: restores before giving up.
+        max_skipped_steps: fp16 steps skipped in a row that count as a failure.
+        loss_explosion_factor: loss / its best epoch value that counts as divergence (0: off).
+    """
+
+    def __init__(self, checkpointing: Checkpointing, nan_retries: int = 2, max_skipped_steps: int = 20,
+                 loss_explosion_factor: float = 1000.0):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.nan_retries = nan_retries
+        self.max_skipped_steps = max_skipped_steps
+        self.loss_explosion_factor = loss_explosion_factor
+        self._best_epoch_losses: dict[str, float] = {}  # this process's epochs; a resumed run starts afresh
+        self.retries = 0
+        self.events: list[str] = []
+        self.diagnosis: str | None = None
+        self._skip_streak = 0
+        self._skipped = 0
+        self._warned_no_loss = False
+
+    @property
+    def _optimizers(self) -> dict:
+        return self.checkpointing.optimizers  # the ones checkpointed are the ones watched
+
+    def _total_skipped(self) -> int:
+        return sum(precision.skipped_steps(optimizer) or 0 for optimizer in self._optimizers.values())
+
+    def on_train_begin(self, logs=None):
+        self._skipped = self._total_skipped()
+
+    def on_train_batch_end(self, batch, logs=None):
+        losses = logged_losses(logs)
+        if not losses and not self._warned_no_loss:
+            self._warned_no_loss = True
+            logger.warning("NaNGuard: %s logs no loss (logged: %s); it watches the weights at each checkpoint only",
+                           self.model.name, ", ".join(sorted(logs or {})) or "nothing")
+        skipped = self._total_skipped()
+        self._skip_streak = self._skip_streak + 1 if skipped > self._skipped else 0
+        self._skipped = skipped
+        step = self.checkpointing.step
+        nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
+        bad = first_non_finite(losses)
+        exploded = self._exploded(losses)
+        if bad:
+            self._recover(f"step {step}: {bad} {losses[bad]}")
+        elif nonfinite_state_step is not None:
+            self._recover(f"step {nonfinite_state_step}: non-finite weights ({self._describe(losses)})")
+        elif exploded:
+            self._recover(f"step {step}: {exploded} {losses[exploded]:.3g}, {losses[exploded] / self._best_epoch_losses[exploded]:.3g}x "
+                          f"the best epoch's {self._best_epoch_losses[exploded]:.3g}")
+        elif self._skip_streak > self.max_skipped_steps:
+            self._recover(f"step {step}: {self._skip_streak} fp16 steps skipped in a row")
+
+    @staticmethod
+    def _describe(losses: dict[str, float]) -> str:
+        return ", ".join(f"{name} {value:.3g}" for name, value in losses.items()) or "no loss logged"
+
+    def _exploded(self, losses: dict[str, float]) -> str | None:
+        if not self.loss_explosion_factor:
+            return None
+        return next((name for name, value in losses.items()
+                     if self._best_epoch_losses.get(name) and value > self.loss_explosion_factor * self._best_epoch_losses[name]), None)
+
+    # The guard runs before Checkpointing (default_callbacks), so a save refused for non-finite
+    # weights is seen at the next batch end, epoch end or, after the last epoch's save, at the
+    # end of training, where no retry is left: the run fails.
+    def on_epoch_end(self, epoch, logs=None):
+        nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
+        if nonfinite_state_step is not None and not self.model.stop_training:
+            self._recover(f"step {nonfinite_state_step}: non-finite weights in epoch {epoch + 1}")
+        if self.model.stop_training:
+            return
+        losses = logged_losses(logs)
+        if self._exploded(losses):
+            return
+        for name, value in losses.items():
+            if math.isfinite(value) and value > 0:
+                self._best_epoch_losses[name] = min(value, self._best_epoch_losses.get(name, math.inf))
+
+    def on_train_end(self, logs=None):
+        nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
+        if nonfinite_state_step is not None and self.diagnosis is None:
+            self._fail(f"step {nonfinite_state_step}: non-finite weights at the end of training")
+
+    def _recover(self, event: str) -> None:
+        """Restores the last good checkpoint, or stops with a diagnosis when retries are used up."""
+        if self.retries < self.nan_retries and self.checkpointing.usable:
+            self.events.append(event)
+            self.retries += 1
+            self.checkpointing.restore()
+            self.model.reset_metrics()
+            self._skip_streak = 0
+            logger.warning("%s; restored the last good checkpoint (retry %d of %d)", event, self.retries, self.nan_retries)
+            return
+        self._fail(event)
+
+    def _fail(self, event: str) -> None:
+        self.events.append(event)
+        self.diagnosis = self.diagnose()
+        logger.error("%s", self.diagnosis)
+        self.model.stop_training = True
+
+    def diagnose(self) -> str:
+        """One paragraph: what happened, the likely cause, what to change."""
+        policy = precision.global_policy_name()
+        stepping = {name: optimizer for name, optimizer in self._optimizers.items() if optimizer_steps(optimizer) > 0} or self._optimizers
+        rates = ", ".join(f"{learning_rate(optimizer):.3g} ({name})" for name, optimizer in stepping.items()) or "no optimizer"
+        what = f"training diverged ({'; '.join(self.events)}) after {self.retries} restore(s) of the last good checkpoint"
+        scaled = {name: optimizer for name, optimizer in stepping.items() if precision.current_loss_scale(optimizer) is not None}
+        if policy == precision.MIXED_FLOAT16 and scaled:
+            scales = ", ".join(f"{precision.current_loss_scale(optimizer):g} ({name}, {precision.skipped_steps(optimizer)} steps skipped)"
+                               for name, optimizer in scaled.items())
+            cause = (f"likely fp16 overflow (loss scale now {scales}; learning rate {rates}): use --precision=mixed_bfloat16 "
+                     "(float32's range) where the hardware has it, keep overflowing layers in float32 (see `python -m tfmp.doctor`), "
+                     "or lower --learning_rate")
+        else:
+            cause = (f"under {policy} this is not a precision problem but divergence: lower --learning_rate "
+                     f"(learning rate now {rates}) or lengthen --warmup_epochs")
+        latest = self.checkpointing.usable
+        where = f"the last good checkpoint is {latest}" if latest else "no good checkpoint was written before it"
+        return f"{what}; {cause}; {where}"
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """Per-replica copies of some variables differ; the message names them."""
+
+
+class ReplicaConsistencyCheck(keras.callbacks.Callback):
+    """Every `replica_check_every_steps` steps (and at each epoch end), checks that all replicas
+    hold the same variables (`tfmp.distribute.check_replica_consistency`) and stops training with
+    `ReplicaDivergenceError` naming the ones that do not. Does nothing on one replica.
+
+    Args:
+        replica_check_every_steps: steps between checks (0: epoch ends only).
+        atol: allowed absolute difference.
+        counter: the run's `StepCounter` (one is made and driven here when not given).
+    """
+
+    def __init__(self, replica_check_every_steps: int = 100, atol: float = 0.0, counter: StepCounter | None = None):
+        super().__init__()
+        self.replica_check_every_steps = replica_check_every_steps
+        self.atol = atol
+        self._owns_counter = counter is None
+        self.counter = counter or StepCounter()
+        self._active = False
+
+    def on_train_begin(self, logs=None):
+        self._active = self.model.distribute_strategy.num_replicas_in_sync > 1
+
+    def _check(self):
+        if self.model.distribute_strategy.num_replicas_in_sync < 2:
+            return
+        differing = distribute.check_replica_consistency(self.model, self.atol)
+        if differing:
+            raise ReplicaDivergenceError(f"replicas disagree at step {self.counter.step} on {len(differing)} variable(s): "
+                                         f"{', '.join(differing)}")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._owns_counter:
+            self.counter.on_epoch_begin(epoch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._owns_counter:
+            self.counter.on_train_batch_end(batch, logs)
+        every = self.replica_check_every_steps
+        if self._active and every and self.counter.step % every == 0:
+            self._check()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._check()

@@ -1,0 +1,96 @@
+"""What a run reports besides its losses: throughput, the loss scale of the optimizers that step,
+and the per-epoch history tfmp appends to `history.csv`."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import time
+
+import keras
+
+from tfmp import precision
+from tfmp.callbacks.model_state import optimizer_steps, owned_optimizers
+
+logger = logging.getLogger(__name__)
+
+
+class Throughput(keras.callbacks.Callback):
+    """Times the training batches of each epoch (validation excluded).
+
+    `examples_per_second` leaves out the first epoch of a `fit()` when there are others, since
+    it includes tracing and oneDNN's first-call setup.
+    """
+
+    def __init__(self, global_batch_size: int):
+        super().__init__()
+        self.global_batch_size = global_batch_size
+        self.epoch_seconds: list[float] = []
+        self.epoch_steps: list[int] = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+        self._steps = 0
+        self._end = self._start
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        self._end = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_seconds.append(self._end - self._start)
+        self.epoch_steps.append(self._steps)
+
+    @property
+    def examples_per_second(self) -> float | None:
+        first = 1 if len(self.epoch_seconds) > 1 else 0
+        seconds = sum(self.epoch_seconds[first:])
+        return self.global_batch_size * sum(self.epoch_steps[first:]) / seconds if seconds > 0 else None
+
+
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Adds `loss_scale` and `skipped_steps` to the epoch logs (TensorBoard and history.csv show them).
+
+    Reports the loss-scaling optimizers the model actually stepped this epoch — not the one
+    `compile()` made when a custom `train_step` uses optimizers of its own. With one such
+    optimizer the keys are `loss_scale` / `skipped_steps`; with several, `<name>_loss_scale` /
+    `<name>_skipped_steps` each. Under mixed_float16 with no loss-scaling optimizer at all it
+    says so once at train begin: fp16 gradients then underflow silently.
+    """
+
+    def on_train_begin(self, logs=None):
+        self._optimizers = owned_optimizers(self.model)
+        self._activity = {name: _activity(optimizer) for name, optimizer in self._optimizers.items()}
+        scaling = [name for name, optimizer in self._optimizers.items() if precision.current_loss_scale(optimizer) is not None]
+        if precision.global_policy_name() == precision.MIXED_FLOAT16 and not scaling:
+            logger.warning("LossScaleMonitor: mixed_float16, but none of %s's optimizers (%s) scales the loss; wrap them with "
+                           "tfmp.precision.wrap_optimizer or fp16 gradients may underflow to zero", self.model.name,
+                           ", ".join(self._optimizers) or "none")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        stepped = {}
+        for name, optimizer in self._optimizers.items():
+            activity = _activity(optimizer)
+            if activity != self._activity[name] and precision.current_loss_scale(optimizer) is not None:
+                stepped[name] = optimizer
+            self._activity[name] = activity
+        for name, optimizer in stepped.items():
+            prefix = "" if len(stepped) == 1 else f"{name}_"
+            logs[f"{prefix}loss_scale"] = precision.current_loss_scale(optimizer)
+            logs[f"{prefix}skipped_steps"] = precision.skipped_steps(optimizer)
+
+
+def _activity(optimizer) -> tuple[int, int]:
+    """(updates applied, steps skipped): a loss-scaling optimizer that skipped every step still stepped."""
+    return optimizer_steps(optimizer), precision.skipped_steps(optimizer) or 0
+
+
+def logged_history(history_file: str) -> list[dict]:
+    """The per-epoch logs `default_callbacks` appended to `history_file` (history.csv), across resumptions."""
+    if not os.path.exists(history_file):
+        return []
+    with open(history_file, encoding="utf-8", newline="") as file:
+        return [{key: float(value) for key, value in row.items() if value not in ("", "NA", None)} for row in csv.DictReader(file)]

@@ -1,0 +1,183 @@
+"""The run directory: every path and file name of a run, and what a rerun finds there.
+
+    WORKDIR/config.json            the resolved config (written once every input check has passed)
+    WORKDIR/metrics.json           final figures, flat JSON (written last, atomically)
+    WORKDIR/memory_estimate.json   what --dry_run estimated (nothing else is written then)
+    WORKDIR/checkpoints/           tf.train checkpoints (`tfmp.callbacks.Checkpointing`)
+    WORKDIR/tensorboard/           TensorBoard scalars
+    WORKDIR/history.csv            one row per epoch, appended across resumptions
+    WORKDIR/encoder.keras          the pretrained encoder (--task=simclr), loadable without tfmp
+    WORKDIR/baseline/draw<N>/      a stage's own run directory (the supervised baseline of label draw N)
+
+A non-chief worker of a multi-worker run resumes from the chief's directory but writes to
+a scratch folder of its own (`for_worker`), removed when the run ends: every worker must
+take part in saving, only the chief's copy is kept.
+
+Imports no TensorFlow, so the CLI can answer "already finished", refuse a conflicting
+rerun or an unwritable workdir before TensorFlow starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+from tfmp.config import Config, UsageError, load_json, save_json
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.json"
+MEMORY_ESTIMATE_FILE = "memory_estimate.json"
+HISTORY_FILE = "history.csv"
+ENCODER_FILE = "encoder.keras"
+CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tensorboard"
+
+
+def _scratch_root() -> str:
+    return os.path.join(tempfile.gettempdir(), f"tfmp-worker-{os.getpid()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDirectory:
+    """Paths of one run (or one stage of it).
+
+    Attributes:
+        path: the directory runs are resumed from and, on the chief, written to.
+        write_path: where this process writes (a scratch folder on a non-chief worker).
+    """
+
+    path: str
+    write_path: str = ""
+
+    def __post_init__(self):
+        if not self.path:
+            raise UsageError("--workdir is required")
+        if not self.write_path:
+            object.__setattr__(self, "write_path", self.path)
+
+    @property
+    def is_scratch(self) -> bool:
+        return self.write_path != self.path
+
+    def for_worker(self, chief: bool) -> RunDirectory:
+        """This directory as a worker sees it: the chief writes here, the others to scratch."""
+        if chief:
+            return RunDirectory(self.path)
+        return RunDirectory(self.path, os.path.join(_scratch_root(), os.path.abspath(self.path).lstrip(os.sep)))
+
+    def stage(self, *parts: str) -> RunDirectory:
+        """A stage's own run directory below this one (e.g. `stage("baseline", "draw0")`)."""
+        return RunDirectory(os.path.join(self.path, *parts), os.path.join(self.write_path, *parts))
+
+    @staticmethod
+    def remove_scratch() -> None:
+        """Removes this process's scratch folder (a non-chief worker's writes)."""
+        shutil.rmtree(_scratch_root(), ignore_errors=True)
+
+    # Files read from the run directory itself.
+    @property
+    def config_file(self) -> str:
+        return os.path.join(self.path, CONFIG_FILE)
+
+    @property
+    def metrics_file(self) -> str:
+        return os.path.join(self.path, METRICS_FILE)
+
+    @property
+    def memory_estimate_file(self) -> str:
+        return os.path.join(self.path, MEMORY_ESTIMATE_FILE)
+
+    @property
+    def checkpoints(self) -> str:
+        """Where checkpoints are resumed from (the chief's)."""
+        return os.path.join(self.path, CHECKPOINTS)
+
+    @property
+    def encoder_file(self) -> str:
+        return os.path.join(self.path, ENCODER_FILE)
+
+    @property
+    def history_file(self) -> str:
+        return os.path.join(self.path, HISTORY_FILE)
+
+    # Where this process writes.
+    @property
+    def checkpoints_to_write(self) -> str:
+        return os.path.join(self.write_path, CHECKPOINTS)
+
+    @property
+    def tensorboard(self) -> str:
+        return os.path.join(self.write_path, TENSORBOARD)
+
+    @property
+    def history_to_write(self) -> str:
+        return os.path.join(self.write_path, HISTORY_FILE)
+
+    def check_writable(self) -> None:
+        """Raises UsageError (one line) unless the run directory is, or can be made, a writable directory.
+
+        Writes and removes a probe file; folders it had to create for that are removed again,
+        so a refused run leaves nothing behind."""
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise UsageError(f"workdir {self.path} is a file, not a directory; choose another --workdir")
+        missing = []  # the folders this check creates, deepest first
+        folder = os.path.abspath(self.path)
+        while not os.path.exists(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".tfmp-write-check-"):
+                pass
+        except OSError as error:
+            raise UsageError(f"workdir {self.path} is not writable ({error.strerror or error}); choose another --workdir") from None
+        finally:
+            for created in missing:
+                if os.path.isdir(created):
+                    os.rmdir(created)
+
+    def finished_metrics(self, config: Config) -> dict | None:
+        """What an earlier run here left: its metrics when the same config already finished,
+        None when the directory is new or holds the same config unfinished (to be resumed).
+
+        Raises:
+            UsageError: the directory holds a run with a different config.
+        """
+        if not os.path.exists(self.config_file):
+            return None
+        differences = config.differences(load_json(self.config_file))
+        if differences:
+            raise UsageError(f"workdir {self.path} holds a run with another config ({'; '.join(differences)}); use a new --workdir")
+        if not os.path.exists(self.metrics_file):
+            return None
+        with open(self.metrics_file, encoding="utf-8") as file:
+            return json.load(file)
+
+    def write_config(self, config: Config) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        save_json(config, self.config_file)
+
+    def write_json(self, values: dict, file_name: str) -> str:
+        """Writes `file_name` here via a temporary file and a rename, so it is never half-written; returns its path."""
+        os.makedirs(self.path, exist_ok=True)
+        path = os.path.join(self.path, file_name)
+        temporary = f"{path}.tmp"
+        with open(temporary, "w", encoding="utf-8") as file:
+            json.dump(values, file, indent=2, sort_keys=True)
+            file.write("\n")
+        os.replace(temporary, path)
+        return path
+
+    def write_memory_estimate(self, values: dict) -> str:
+        return self.write_json(values, MEMORY_ESTIMATE_FILE)
+
+    def write_metrics(self, metrics: dict) -> str:
+        return self.write_json(metrics, METRICS_FILE)
+
+
+def as_run_directory(directory: str | RunDirectory) -> RunDirectory:
+    """Accepts a path (library users) or a RunDirectory (tfmp's own code)."""
+    return directory if isinstance(directory, RunDirectory) else RunDirectory(str(directory))
