@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import keras
+import pytest
 
 from conftest import REPO
 from tfmp import bench, models
@@ -58,6 +59,7 @@ def test_bench_usage_error(capsys):
     assert "unknown remat mode 'everything'; valid: none, blocks, full" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 20 s: the matrix script around tfmp.bench, whose per-line output the default suite tests
 def test_benchmark_matrix_writes_results_summary_and_chart(tmp_path):
     script = os.path.join(REPO, "experiments", "benchmarks", "run_benchmarks.py")
     result = subprocess.run([sys.executable, script, "--model=small_cnn", "--runners=tfmp,keras", "--precisions=float32",

@@ -96,6 +96,7 @@ def test_sigterm_saves_the_current_step_and_the_rerun_resumes_from_it(run_cli, t
     assert metrics["resumed_from_step"] == step
 
 
+@pytest.mark.slow  # the CLI case of tests/test_checkpoint_corruption.py; the default suite keeps the garbage case below
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(run_cli, tmp_path):
     workdir = str(tmp_path / "run")
     steps = _killed_after_checkpoint(workdir, at_least=20)

@@ -95,6 +95,7 @@ def test_bench_runs_the_step_with_xla(method):
     assert line["xla"] is True and line["method"] == method and line["images_per_second"] > 0
 
 
+@pytest.mark.slow  # 24 s: the default suite compiles each of these steps in-process
 def test_the_cli_runs_simclr_probes_and_baseline_with_jit_compile_true(run_cli, tmp_path):
     workdir = tmp_path / "run"
     result = run_cli("--flagfile=experiments/digits_simclr.cfg", "--epochs=1", "--warmup_epochs=0", "--probe_epochs=2",
