@@ -1,5 +1,7 @@
 """tfmp.data: the registry's sources and the input pipeline."""
 
+import logging
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -88,6 +90,40 @@ def test_unreadable_images_are_named_before_training_or_skipped_when_asked(tmp_p
     assert (len(loaded.train), len(loaded.test)) == (8, 4)
     images, _ = _images_and_labels(loaded.train)  # and every file left decodes
     assert images.shape[0] == 8
+
+
+def test_hidden_and_non_image_entries_are_ignored_and_counted(tmp_path, caplog):
+    _write_pngs(tmp_path, ["a", "b"], 10, channels=1)
+    _write_pngs(tmp_path / ".ipynb_checkpoints", ["a"], 2, channels=1)  # Jupyter's; once counted as a class
+    (tmp_path / ".DS_Store").write_bytes(b"\0")
+    (tmp_path / "README.txt").write_text("my pictures")
+    (tmp_path / "a" / "notes.txt").write_text("taken in May")
+    with caplog.at_level(logging.INFO, logger="tfmp"):
+        loaded = data.load(f"folder:{tmp_path}")
+    assert loaded.num_classes == 2 and (len(loaded.train), len(loaded.test)) == (16, 4)
+    described = [record.getMessage() for record in caplog.records if record.levelno == logging.INFO]
+    assert any("2 classes, 16 train / 4 test images (train/test per class: a 8/2, b 8/2); ignored 4 hidden or non-image entries"
+               in message for message in described), described
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
+
+
+def test_one_class_and_unbalanced_folders_are_warned_about_with_numbers(tmp_path, caplog):
+    _write_pngs(tmp_path / "one", ["only"], 10)
+    _write_pngs(tmp_path / "skewed", ["many"], 50)
+    _write_pngs(tmp_path / "skewed", ["few"], 4)
+    with caplog.at_level(logging.WARNING, logger="tfmp"):
+        data.load(f"folder:{tmp_path / 'one'}")
+        data.load(f"folder:{tmp_path / 'skewed'}")
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 2
+    assert "only one class (only)" in warnings[0]
+    assert "unbalanced classes: many has 40 training images, few 3" in warnings[1]
+
+
+def test_train_without_test_states_the_layout_rule(tmp_path):
+    _write_pngs(tmp_path / "train", ["a", "b"], 3)
+    with pytest.raises(ValueError, match="has train/ but no test/; expected one subfolder of images per class"):
+        data.load(f"folder:{tmp_path}")
 
 
 def test_tfds_through_mock_data():

@@ -145,17 +145,62 @@ def load_synthetic(image_size: int = 0, seed: int = 0, num_classes: int = 10) ->
     return ImageData("synthetic", splits["train"], splits["test"], num_classes, (size, size, 3))
 
 
-def _list_images(root: str, classes: list[str]) -> tuple[list[str], list[int]]:
+FOLDER_LAYOUT = ("one subfolder of images per class, either directly in PATH (split 80/20 by --seed) or in both "
+                 "PATH/train/<class>/ and PATH/test/<class>/")
+UNBALANCED_RATIO = 10  # largest class / smallest class above which a folder is called unbalanced
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".")  # .ipynb_checkpoints, .DS_Store, .git, ...
+
+
+def _class_folders(root: str, ignored: list[str]) -> list[str]:
+    """The class folders in `root`, sorted; hidden entries and plain files go to `ignored`."""
+    classes = []
+    for name in sorted(os.listdir(root)):
+        if not _hidden(name) and os.path.isdir(os.path.join(root, name)):
+            classes.append(name)
+        else:
+            ignored.append(os.path.join(root, name))
+    return classes
+
+
+def _list_images(root: str, classes: list[str], ignored: list[str]) -> tuple[list[str], list[int]]:
+    """Image files of each class folder (label = index in `classes`); other entries go to `ignored`."""
     paths, labels = [], []
     for label, class_name in enumerate(classes):
         class_dir = os.path.join(root, class_name)
         if not os.path.isdir(class_dir):
             continue
         for file_name in sorted(os.listdir(class_dir)):
-            if file_name.lower().endswith(IMAGE_EXTENSIONS):
+            if file_name.lower().endswith(IMAGE_EXTENSIONS) and not _hidden(file_name):
                 paths.append(os.path.join(class_dir, file_name))
                 labels.append(label)
+            else:
+                ignored.append(os.path.join(class_dir, file_name))
     return paths, labels
+
+
+def describe_folder(name: str, classes: list[str], train_labels, test_labels, ignored: list[str]) -> list[str]:
+    """What a folder data set holds, as it is logged (first line) and the warnings it deserves."""
+    train_counts = np.bincount(np.asarray(train_labels, dtype=np.int64), minlength=len(classes))
+    test_counts = np.bincount(np.asarray(test_labels, dtype=np.int64), minlength=len(classes))
+    shown = ", ".join(f"{class_name} {train}/{test}" for class_name, train, test in
+                      list(zip(classes, train_counts, test_counts))[:10]) + (", ..." if len(classes) > 10 else "")
+    ignored_text = ""
+    if ignored:
+        named = ", ".join(os.path.basename(path) for path in ignored[:3]) + (", ..." if len(ignored) > 3 else "")
+        ignored_text = f"; ignored {len(ignored)} hidden or non-image entr{'y' if len(ignored) == 1 else 'ies'} ({named})"
+    lines = [f"dataset {name}: {len(classes)} classes, {int(train_counts.sum())} train / {int(test_counts.sum())} test images "
+             f"(train/test per class: {shown}){ignored_text}"]
+    if len(classes) == 1:
+        lines.append(f"dataset {name}: only one class ({classes[0]}): a classifier is trivially right on it; "
+                     f"expected {FOLDER_LAYOUT}")
+    elif train_counts.min() == 0 or train_counts.max() > UNBALANCED_RATIO * train_counts.min():
+        largest, smallest = int(np.argmax(train_counts)), int(np.argmin(train_counts))
+        lines.append(f"dataset {name}: unbalanced classes: {classes[largest]} has {train_counts[largest]} training images, "
+                     f"{classes[smallest]} {train_counts[smallest]}; accuracy will favour the large classes")
+    return lines
 
 
 def _file_split(paths: list[str], labels: list[int], image_size: int, channels: int) -> Split:
@@ -222,13 +267,19 @@ def load_folder(path: str, image_size: int = 0, seed: int = 0, skip_unreadable_i
     """
     if not os.path.isdir(path):
         raise ValueError(f"dataset folder:{path}: no such directory; expected PATH/<class>/*.png|jpg or PATH/train and PATH/test")
-    has_splits = os.path.isdir(os.path.join(path, "train")) and os.path.isdir(os.path.join(path, "test"))
+    split_folders = [split for split in ("train", "test") if os.path.isdir(os.path.join(path, split))]
+    if len(split_folders) == 1:
+        raise ValueError(f"dataset folder:{path}: has {split_folders[0]}/ but no {({'train', 'test'} - set(split_folders)).pop()}/; "
+                         f"expected {FOLDER_LAYOUT}")
+    has_splits = len(split_folders) == 2
     train_root = os.path.join(path, "train") if has_splits else path
-    classes = sorted(name for name in os.listdir(train_root) if os.path.isdir(os.path.join(train_root, name)))
-    paths, labels = _list_images(train_root, classes)
+    ignored: list[str] = []
+    classes = _class_folders(train_root, ignored)
+    paths, labels = _list_images(train_root, classes, ignored)
     if not paths:
-        raise ValueError(f"dataset folder:{path}: no images ({', '.join(IMAGE_EXTENSIONS)}) in class subfolders of {train_root}")
-    test_paths, test_labels = _list_images(os.path.join(path, "test"), classes) if has_splits else ([], [])
+        raise ValueError(f"dataset folder:{path}: no images ({', '.join(IMAGE_EXTENSIONS)}) in class subfolders of {train_root}; "
+                         f"expected {FOLDER_LAYOUT}")
+    test_paths, test_labels = _list_images(os.path.join(path, "test"), classes, ignored) if has_splits else ([], [])
 
     unreadable = unreadable_images(paths + test_paths)
     if unreadable and not skip_unreadable_images:
@@ -251,6 +302,10 @@ def load_folder(path: str, image_size: int = 0, seed: int = 0, skip_unreadable_i
         train_index, test_index = stratified_split(np.asarray(labels), TEST_FRACTION, seed)
         test_paths, test_labels = [paths[i] for i in test_index], [labels[i] for i in test_index]
         paths, labels = [paths[i] for i in train_index], [labels[i] for i in train_index]
+    description, *warnings = describe_folder(f"folder:{path}", classes, labels, test_labels, ignored)
+    logger.info("%s", description)
+    for warning in warnings:
+        logger.warning("%s", warning)
     return ImageData(
         name=f"folder:{path}",
         train=_file_split(paths, labels, image_size, channels),
