@@ -1,4 +1,4 @@
-"""Surviving kills: kill -9 and rerun resumes, SIGTERM saves and stops, a truncated checkpoint is skipped."""
+"""Surviving kills: kill -9 and rerun resumes, SIGTERM and Ctrl-C save and stop, damaged checkpoints are skipped."""
 
 import json
 import os
@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import pytest
 
 from conftest import AUTO_PRECISION, REPO
@@ -19,8 +20,10 @@ STEPS = 10 * (1437 // 128)
 
 def _start(workdir):
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    # Ctrl-C as in a terminal, even where this process was started with SIGINT ignored (a background job).
     return subprocess.Popen([sys.executable, "-m", "tfmp.train", *ARGS, f"--workdir={workdir}"], cwd=REPO, env=environment,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _checkpoint_steps(workdir):
@@ -78,18 +81,26 @@ def test_kill_9_then_rerun_resumes(run_cli, tmp_path):
     assert metrics["eval_accuracy"] >= 0.95  # an uninterrupted run of this preset reaches 0.99 (BUILD_NOTES.md)
 
 
-def test_sigterm_saves_the_current_step_and_the_rerun_resumes_from_it(run_cli, tmp_path):
+STOPS = {  # signal: (exit code, the last line's start)
+    signal.SIGTERM: (143, r"preempted: SIGTERM"),
+    signal.SIGINT: (130, r"interrupted: Ctrl-C \(SIGINT\)"),
+}
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_saves_the_current_step_and_the_rerun_resumes_from_it(run_cli, tmp_path, stop):
+    """SIGINT's callback path is in the default suite in-process (Ctrl-C tests below)."""
     workdir = str(tmp_path / "run")
     process = _start(workdir)
     _wait_for_checkpoint(process, workdir, at_least=10)
     sent = time.monotonic()
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(stop)
     code = process.wait(timeout=60)
     assert time.monotonic() - sent < 60
     stderr = process.stderr.read()
-    assert code == 143, stderr[-2000:]
+    assert code == STOPS[stop][0], stderr[-2000:]
     last = stderr.strip().splitlines()[-1]
-    step = int(re.search(r"preempted: SIGTERM at step (\d+): checkpoint saved", last).group(1))
+    step = int(re.search(STOPS[stop][1] + r" at step (\d+): checkpoint saved; rerun the same command to resume", last).group(1))
     assert _checkpoint_steps(workdir)[-1] == step
 
     metrics, _ = _rerun(run_cli, workdir)
@@ -127,3 +138,77 @@ def test_garbage_over_the_newest_files_and_the_state_file_falls_back(run_cli, tm
     skipped = [line for line in stderr.splitlines() if "skipped" in line]
     assert len(skipped) == 1 and f"skipped ckpt-{steps[-1]} (" in skipped[0] and f"resuming from ckpt-{steps[-2]}" in skipped[0]
     assert os.path.exists(os.path.join(directory, "checkpoint.unreadable"))
+
+
+class _CtrlC(keras.callbacks.Callback):
+    """Presses Ctrl-C (sends SIGINT to this process) at the end of step `at_step`, `times` times."""
+
+    def __init__(self, at_step, times=1):
+        super().__init__()
+        self.at_step, self.times, self.step = at_step, times, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.step += 1
+        if self.step == self.at_step:
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGINT)  # handled before the next Python bytecode runs
+
+
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own Ctrl-C handler, even where the test process was started with SIGINT ignored
+    (a background job), which tfmp respects by leaving Ctrl-C alone."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _classifier():
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_ctrl_c_checkpoints_the_step_and_fit_resumes_from_it(tmp_path, python_ctrl_c):
+    from sklearn.datasets import load_digits
+
+    from tfmp import callbacks
+
+    images, labels = load_digits(return_X_y=True)
+    with pytest.raises(callbacks.Preempted) as stopped:
+        _classifier().fit(images, labels, batch_size=128, epochs=3, verbose=0,
+                          callbacks=[*callbacks.default_callbacks(str(tmp_path)), _CtrlC(at_step=7)])
+    assert stopped.value.signal_number == signal.SIGINT
+    assert str(stopped.value) == "Ctrl-C (SIGINT) at step 7: checkpoint saved; rerun the same command to resume"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+    assert [step for step, _ in callbacks.find_checkpoints(os.path.join(tmp_path, "checkpoints"))] == [7]
+
+    run_callbacks = callbacks.default_callbacks(str(tmp_path))
+    _classifier().fit(images, labels, batch_size=128, epochs=3, verbose=0, callbacks=run_callbacks)
+    assert next(c for c in run_callbacks if isinstance(c, callbacks.Checkpointing)).restored_step == 7
+
+
+def test_a_second_ctrl_c_interrupts_at_once(tmp_path, python_ctrl_c):
+    from sklearn.datasets import load_digits
+
+    from tfmp import callbacks
+
+    images, labels = load_digits(return_X_y=True)
+    with pytest.raises(KeyboardInterrupt):
+        _classifier().fit(images, labels, batch_size=128, epochs=1, verbose=0,
+                          callbacks=[*callbacks.default_callbacks(str(tmp_path)), _CtrlC(at_step=3, times=2)])
+    assert not callbacks.find_checkpoints(os.path.join(tmp_path, "checkpoints"))  # nothing half-saved
+
+
+def test_ctrl_c_is_left_alone_where_the_process_ignores_it(tmp_path):
+    from tfmp import callbacks
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup
+    try:
+        preemption = callbacks.PreemptionCheckpoint(callbacks.Checkpointing(str(tmp_path)))
+        preemption.on_train_begin()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == preemption._request
+        preemption.on_train_end()
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -3,12 +3,14 @@
 Intentionally thin: parse flags into a `Config` and call `tfmp.training.run`.
 Exit codes: 0 done (or already finished); 2 usage or input error, as one line on
 stderr with nothing written; 1 training failed, with a diagnosis; 143 stopped by
-SIGTERM after checkpointing the current step (rerun the same command to resume).
+SIGTERM after checkpointing the current step, 130 the same for Ctrl-C (rerun the same command
+to resume).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from tfmp import tf_environment
@@ -25,7 +27,7 @@ tfmp_config.define_flags(FLAGS)
 flags.DEFINE_string("workdir", "", "Run directory: config.json, metrics.json, checkpoints/, tensorboard/.", flag_values=FLAGS)
 
 PROGRAM = "tfmp.train"
-PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT (Ctrl-C); a stop by SIGTERM exits 143 = 128 + SIGTERM, as a shell reports it
 
 
 def _fail(message: str, code: int) -> int:
@@ -64,9 +66,11 @@ def main(argv: list[str]) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("tfmp").setLevel(logging.INFO)
-    from tfmp import training  # imports TensorFlow
-    from tfmp.callbacks import Preempted
-
+    try:
+        from tfmp import training  # imports TensorFlow
+        from tfmp.callbacks import Preempted
+    except KeyboardInterrupt:
+        return _fail("interrupted (Ctrl-C) before training started", INTERRUPTED_EXIT_CODE)
     try:
         metrics = training.run(config, directory)
     except tfmp_config.UsageError as error:
@@ -74,7 +78,10 @@ def main(argv: list[str]) -> int:
     except training.TrainingFailed as error:
         return _fail(f"training failed: {error}", 1)
     except Preempted as error:
-        return _fail(f"preempted: {error}", PREEMPTED_EXIT_CODE)
+        return _fail(f"{'preempted' if error.signal_number == signal.SIGTERM else 'interrupted'}: {error}",
+                     128 + error.signal_number)
+    except KeyboardInterrupt:  # Ctrl-C outside a training step (loading data, tracing, evaluating)
+        return _fail("interrupted (Ctrl-C); rerun the same command to resume from the last checkpoint", INTERRUPTED_EXIT_CODE)
     shown = ("precision", "strategy", "num_replicas", "train_loss", "eval_accuracy", "linear_probe_accuracy", "knn_accuracy",
              "supervised_baseline_accuracy")
     summary = {key: round(metrics[key], 4) if isinstance(metrics[key], float) else metrics[key] for key in shown if key in metrics}

@@ -2,7 +2,7 @@
 Sequential, subclassed, with its own `train_step` and optimizers), one room per concern:
 
     checkpointing.py  `Checkpointing` (resume, damaged-file tolerant discovery), `StepCounter`,
-                      `PreemptionCheckpoint` (SIGTERM)
+                      `PreemptionCheckpoint` (SIGTERM, Ctrl-C)
     guards.py         `NaNGuard` (divergence: restore and retry, then a diagnosis),
                       `ReplicaConsistencyCheck`
     telemetry.py      `Throughput`, `LossScaleMonitor`, the `history.csv` reader
