@@ -71,3 +71,16 @@ def test_benchmark_matrix_writes_results_summary_and_chart(tmp_path):
     assert all(row["min"] <= row["images_per_second"] <= row["max"] for row in summary)
     assert (tmp_path / "benchmark.png").stat().st_size > 1000
     assert "| tfmp | float32 | 8 |" in result.stdout
+
+
+def test_benchmark_matrix_without_matplotlib_says_so_before_measuring(tmp_path):
+    script = os.path.join(REPO, "experiments", "benchmarks", "run_benchmarks.py")
+    hide_matplotlib = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+                       "runpy.run_path(sys.argv[0], run_name='__main__')")
+    out = tmp_path / "bench"
+    result = subprocess.run([sys.executable, "-c", hide_matplotlib, script, "--runners=tfmp", f"--out={out}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        'run_benchmarks: error: the chart needs matplotlib, which is not installed; pip install -e ".[bench]", or pass --no_chart']
+    assert not out.exists()

@@ -123,8 +123,14 @@ def main() -> int:
     parser.add_argument("--runners", default="tfmp,keras,torch", help="tfmp, keras (plain Keras BatchNorm), torch (when installed)")
     parser.add_argument("--peer", default=PEER, help="path of torch_simclr_peer.py (default: the shared/ folder beside the repo)")
     parser.add_argument("--from_results", default="", help="re-summarise and redraw an earlier results.json instead of measuring")
+    parser.add_argument("--no_chart", action="store_true", help="write results and summary only (no matplotlib needed)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    # Checked before minutes of measuring, not at the chart after them.
+    if not args.no_chart and importlib.util.find_spec("matplotlib") is None:
+        print("run_benchmarks: error: the chart needs matplotlib, which is not installed; "
+              "pip install -e \".[bench]\", or pass --no_chart", file=sys.stderr)
+        return 2
     os.makedirs(args.out, exist_ok=True)
 
     if args.from_results:
@@ -143,7 +149,8 @@ def main() -> int:
         print(f"| {row['runner']} | {row['precision']} | {row['batch']} | {row['images_per_second']:.1f} | {row['spread']:.1%} | "
               f"{row['peak_rss_mb'] if row['peak_rss_mb'] is not None else 'n/a'} |")
     model = results[0].get("model", args.model) if results else args.model
-    draw(summary, f"SimCLR {model} step", os.path.join(args.out, "benchmark.png"))
+    if not args.no_chart:
+        draw(summary, f"SimCLR {model} step", os.path.join(args.out, "benchmark.png"))
     return 0
 
 
