@@ -51,6 +51,9 @@ def test_simclr_writes_the_ssl_metrics(pretrained):
     assert metrics["linear_probe_accuracy"] == pytest.approx(np.mean(metrics["linear_probe_accuracy_per_draw"]))
     with open(pretrained / "history.csv", encoding="utf-8") as file:
         assert "knn_accuracy" in file.readline()
+    # Every stage's curves in one TensorBoard logdir: pretraining, and each label draw's baseline.
+    assert {"train", "baseline"} <= set(os.listdir(pretrained / "tensorboard"))
+    assert os.listdir(pretrained / "tensorboard" / "baseline" / "draw0" / "train")
     # 1,437 images x 2 epochs / 128 = 22 steps: the guard must say so.
     assert any("pretraining steps" in warning for warning in metrics["small_data_warnings"])
 

@@ -4,10 +4,11 @@
     WORKDIR/metrics.json           final figures, flat JSON (written last, atomically)
     WORKDIR/memory_estimate.json   what --dry_run estimated (nothing else is written then)
     WORKDIR/checkpoints/           tf.train checkpoints (`tfmp.callbacks.Checkpointing`)
-    WORKDIR/tensorboard/           TensorBoard scalars
+    WORKDIR/tensorboard/           TensorBoard scalars of every stage (a stage's below, e.g. baseline/draw0/)
     WORKDIR/history.csv            one row per epoch, appended across resumptions
     WORKDIR/encoder.keras          the pretrained encoder (--task=simclr), loadable without tfmp
-    WORKDIR/baseline/draw<N>/      a stage's own run directory (the supervised baseline of label draw N)
+    WORKDIR/baseline/draw<N>/      a stage's own run directory (the supervised baseline of label draw N):
+                                   its checkpoints and history.csv
 
 A non-chief worker of a multi-worker run resumes from the chief's directory but writes to
 a scratch folder of its own (`for_worker`), removed when the run ends: every worker must
@@ -51,12 +52,15 @@ class RunDirectory:
 
     path: str
     write_path: str = ""
+    tensorboard_path: str = ""
 
     def __post_init__(self):
         if not self.path:
             raise UsageError("--workdir is required")
         if not self.write_path:
             object.__setattr__(self, "write_path", self.path)
+        if not self.tensorboard_path:
+            object.__setattr__(self, "tensorboard_path", os.path.join(self.write_path, TENSORBOARD))
 
     @property
     def is_scratch(self) -> bool:
@@ -69,8 +73,11 @@ class RunDirectory:
         return RunDirectory(self.path, os.path.join(_scratch_root(), os.path.abspath(self.path).lstrip(os.sep)))
 
     def stage(self, *parts: str) -> RunDirectory:
-        """A stage's own run directory below this one (e.g. `stage("baseline", "draw0")`)."""
-        return RunDirectory(os.path.join(self.path, *parts), os.path.join(self.write_path, *parts))
+        """A stage's own run directory below this one (e.g. `stage("baseline", "draw0")`); its
+        TensorBoard logs go below the run's, so one `tensorboard --logdir WORKDIR/tensorboard` shows
+        every stage (runs `train`, `validation`, `baseline/draw0/train`, ...)."""
+        return RunDirectory(os.path.join(self.path, *parts), os.path.join(self.write_path, *parts),
+                            os.path.join(self.tensorboard_path, *parts))
 
     @staticmethod
     def remove_scratch() -> None:
@@ -110,7 +117,7 @@ class RunDirectory:
 
     @property
     def tensorboard(self) -> str:
-        return os.path.join(self.write_path, TENSORBOARD)
+        return self.tensorboard_path
 
     @property
     def history_to_write(self) -> str:
