@@ -172,8 +172,7 @@ def check_encoder_inputs(config: Config, data: tfmp_data.ImageData) -> None:
 def linear_eval(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, workdir: RunDirectory,
                 extra_callbacks=()) -> dict:
     """`--task=linear_eval --encoder=PATH`: linear probe and kNN of a saved encoder."""
-    encoder = _load_encoder(config.encoder)
-    _check_encoder_input(encoder, data, config.encoder)
+    encoder = _load_encoder(config.encoder)  # checked by check_encoder_inputs before the run started
     return {"encoder": config.encoder, **evaluate_over_draws(config, data, encoder, jit_compile(config, strategy))}
 
 
