@@ -1,11 +1,11 @@
 """Guardrails: the NaN guard, loss-scale collapse, replica consistency, augmentation streams."""
 
-import os
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+from test_fault_tolerance import _checkpoint_steps_on_disk
 
 from tfmp import callbacks, distribute, models, optimizers, precision
 from tfmp.config import Config
@@ -193,3 +193,30 @@ def test_without_the_explosion_check_the_same_run_ends_with_a_huge_finite_loss(t
     losses = history.history["loss"]
     assert guard.diagnosis is None and np.isfinite(losses[-1])
     assert losses[-1] > 1000 * min(losses[:3])
+
+
+def test_callbacks_count_steps_with_steps_per_execution(tmp_path):
+    """With steps_per_execution=4 callbacks see one batch end per 4 steps: a checkpoint is due at
+    every execution that passed a multiple of checkpoint_every_steps, and throughput counts steps."""
+    precision.set_policy("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse", steps_per_execution=4)
+    x, y = np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32)
+    run_callbacks = callbacks.default_callbacks(str(tmp_path), checkpoint_every_steps=3, keep_checkpoints=10)
+    throughput = callbacks.Throughput(8)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[throughput, *run_callbacks])
+    # Multiples of 3 passed by the executions ending at steps 4 (3), 8 (6), 12 (9), 16 (15); 8 and 16 end epochs too.
+    assert _checkpoint_steps_on_disk(tmp_path) == [4, 8, 12, 16]
+    assert throughput.epoch_steps == [8, 8]
+    assert next(c for c in run_callbacks if isinstance(c, callbacks.Checkpointing)).step == 16
+
+
+def test_a_skip_streak_counts_every_step_of_an_execution(tmp_path):
+    model = _overflowing_fp16_model(min_scale=2.0**14)
+    model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=4)
+    x, y = np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32)
+    guard_callbacks = callbacks.default_callbacks(str(tmp_path), max_skipped_steps=5)
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=guard_callbacks)
+    guard = next(c for c in guard_callbacks if isinstance(c, callbacks.NaNGuard))
+    # Counted per call, the streak would have reached 6 only after 24 steps.
+    assert guard.diagnosis and "(step 8: 8 fp16 steps skipped in a row)" in guard.diagnosis, guard.diagnosis

@@ -46,3 +46,41 @@ def test_every_submodule_and_every_module_the_readme_names_is_reachable_from_imp
                             text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "precision_report"
+
+
+def _module_level_imports() -> dict[str, set[str]]:
+    """tfmp module -> the tfmp modules it imports at module level (imports inside functions are deferred on purpose)."""
+    import ast
+
+    root = os.path.join(REPO, "tfmp")
+    graph = {}
+    for folder, _, files in os.walk(root):
+        for file_name in files:
+            if not file_name.endswith(".py"):
+                continue
+            path = os.path.join(folder, file_name)
+            module = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+            with open(path, encoding="utf-8") as file:
+                tree = ast.parse(file.read())
+            imported = set()
+            for node in tree.body:  # top level only
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+            graph[module] = imported
+    return {module: {name for name in imports if name in graph and name != module} for module, imports in graph.items()}
+
+
+def test_no_import_cycles_between_the_rooms():
+    """tfmp.training runs tasks; tfmp.tasks build on tfmp.ssl; tfmp.ssl imports neither (issue 12's cycle stays gone)."""
+    graph = _module_level_imports()
+
+    def reaches(start, goal, seen=()):
+        return any(name == goal or (name not in seen and reaches(name, goal, (*seen, name))) for name in graph.get(start, ()))
+
+    rooms = ("tfmp.training", "tfmp.tasks", "tfmp.tasks.pretrain", "tfmp.tasks.supervised", "tfmp.ssl", "tfmp.ssl.simclr")
+    cycles = [module for module in rooms if reaches(module, module)]
+    assert not cycles, f"import cycles through {cycles}"
+    assert not any(name.startswith(("tfmp.tasks", "tfmp.training")) for module in graph if module.startswith("tfmp.ssl")
+                   for name in graph[module])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import data, distribute, models, optimizers, precision
+from tfmp import compilation, data, distribute, models, optimizers, precision
 from tfmp.data import augment
 from tfmp.ssl import guard, probes
 from tfmp.ssl.losses import nt_xent
@@ -231,8 +231,44 @@ def test_knn_and_linear_probe_on_separable_features():
 
 def test_small_data_guard():
     assert guard.check(100_000, 100, 256, 11_000_000) == []
-    warnings = guard.check(300, 10, 128, 11_000_000)
+    assert guard.check(1437, 100, 128, 93_000) == []  # the main job
+    warnings = guard.check(150, 10, 128, 11_000_000)
     assert len(warnings) == 3
-    assert "only 300 unlabeled images" in warnings[0]
-    assert "20 pretraining steps" in warnings[1]
-    assert "36,667 per image" in warnings[2]
+    assert "only 150 unlabeled images (guard: >= 200" in warnings[0]
+    assert "10 pretraining steps" in warnings[1]
+    assert "73,333 per image" in warnings[2]
+
+
+def test_linear_probe_runs_the_same_steps_as_one_step_epochs():
+    """linear_probe runs its epochs as one fit() in long executions; a full-batch probe must match
+    Keras' plain epochs over NumPy arrays (an epoch = one step on all examples) step for step."""
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 3, 90)
+    features = (rng.normal(size=(90, 6)) + 0.6 * labels[:, None]).astype(np.float32)  # overlapping classes
+    train, test = slice(0, 30), slice(30, 90)
+    for epochs in (1, 40):
+        keras.utils.set_random_seed(0)
+        normalization = keras.layers.Normalization(dtype="float32")
+        normalization.adapt(features[train])
+        reference = keras.Sequential([keras.Input((6,)), normalization, keras.layers.Dense(3, dtype="float32")])
+        reference.compile(optimizer=keras.optimizers.AdamW(1e-2, weight_decay=1e-4),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        reference.fit(features[train], labels[train], epochs=epochs, batch_size=30, verbose=0)
+        expected = reference.evaluate(features[test], labels[test], verbose=0)[1]
+        assert probes.linear_probe(features[train], labels[train], features[test], labels[test], 3, epochs=epochs) == expected
+
+
+def test_linear_probes_sharing_one_compiled_model_match_probes_of_their_own():
+    """evaluate_over_draws traces one probe for all label draws (compilation.CompiledOnce): each
+    draw's probe must start from the seeded weights with a fresh optimizer, as one of its own does."""
+    rng = np.random.default_rng(2)
+    labels = rng.integers(0, 3, 150)
+    features = (rng.normal(size=(150, 6)) + 0.5 * labels[:, None]).astype(np.float32)
+    test = slice(90, 150)
+    draws = [slice(0, 30), slice(30, 60), slice(60, 90)]
+    shared = compilation.CompiledOnce()
+    with_shared = [probes.linear_probe(features[draw], labels[draw], features[test], labels[test], 3, epochs=30, compiled=shared)
+                   for draw in draws]
+    alone = [probes.linear_probe(features[draw], labels[draw], features[test], labels[test], 3, epochs=30) for draw in draws]
+    assert with_shared == alone
+    assert shared.model.optimizer.iterations.numpy() == 30  # the last draw's steps only

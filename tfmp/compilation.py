@@ -1,4 +1,5 @@
-"""XLA: whether tfmp compiles its steps (`--jit_compile=auto|true|false`), decided per device with a reason.
+"""XLA: whether tfmp compiles its steps (`--jit_compile=auto|true|false`), decided per device with a reason;
+and `CompiledOnce`, one traced training step for several trainings of one recipe.
 
 TPUs compile every step with XLA whatever Keras is told, and Keras' own `jit_compile="auto"`
 turns XLA on by itself on a machine with one GPU and no `tf.distribute` strategy; so every
@@ -85,3 +86,43 @@ def for_keras(jit_compile, strategy) -> bool | str:
     if jit_compile == "auto":
         return "auto"
     return scope(bool(jit_compile), strategy) == WHOLE_STEP
+
+
+class CompiledOnce:
+    """One compiled Keras model for several trainings of one recipe from fresh starts (the
+    supervised baseline's and the linear probe's label draws).
+
+    Keras traces and optimises a model's training step on its first `fit()`, and again for every
+    new model: for the small CNN that took about as long as a baseline draw's 200 steps. Each
+    training here still builds its own model (same seed, so the same initial weights as a model of
+    its own), but trains in the first one's compiled model: the new model's weights are copied in
+    and the optimizer's variables (step count, moments, loss scale) put back to their values before
+    any step, so it trains exactly as its own model would (tests/test_tasks.py, tests/test_ssl.py).
+    Every model given to one holder must have the same architecture, compile arguments and batch shape.
+    """
+
+    def __init__(self):
+        self.model = None
+        self._optimizer_start: list | None = None
+
+    def compile(self, fresh, compile_model):
+        """`fresh` compiled by `compile_model(fresh)` the first time; afterwards the compiled model,
+        holding `fresh`'s weights and an optimizer that has taken no step."""
+        if self.model is not None:
+            return self.start_from(fresh)
+        compile_model(fresh)
+        self.keep(fresh)
+        return fresh
+
+    def keep(self, model) -> None:
+        """Holds `model` (compiled, not yet trained) and its optimizer's starting state."""
+        model.optimizer.build(model.trainable_variables)
+        self.model = model
+        self._optimizer_start = [variable.numpy() for variable in model.optimizer.variables]
+
+    def start_from(self, fresh):
+        """The compiled model, holding `fresh`'s weights and an optimizer that has taken no step."""
+        self.model.set_weights(fresh.get_weights())
+        for variable, value in zip(self.model.optimizer.variables, self._optimizer_start):
+            variable.assign(value)
+        return self.model

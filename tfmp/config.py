@@ -21,7 +21,8 @@ import re
 
 from absl import flags
 
-TASKS = ("supervised", "simclr", "linear_eval", "finetune")
+SSL_METHODS = ("simclr", "byol", "vicreg", "barlow_twins", "mocov3")  # tfmp.ssl.METHODS builds them
+TASKS = ("supervised", *SSL_METHODS, "linear_eval", "finetune")  # tfmp.tasks.TASKS runs them
 
 
 class Precision(str, enum.Enum):
@@ -65,8 +66,9 @@ LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
 REMAT_MODES = ("none", "blocks", "full")
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
-CHANGEABLE_ON_RESUME = ("data_dir", "tpu", "dry_run", "jit_compile", "worker_hosts", "task_index", "checkpoint_every_steps", "keep_checkpoints", "nan_retries", "max_skipped_steps", "loss_explosion_factor",
-                   "replica_check_every_steps")
+CHANGEABLE_ON_RESUME = ("verbose", "data_dir", "tpu", "dry_run", "jit_compile", "steps_per_execution", "worker_hosts", "task_index",
+                        "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "nan_retries", "max_skipped_steps",
+                        "loss_explosion_factor", "replica_check_every_steps")
 
 
 class UsageError(ValueError):
@@ -102,6 +104,9 @@ class Config:
     precision: str = _field("auto", f"Precision: {', '.join(PRECISION_NAMES)}.")
     jit_compile: str = _field("auto", f"Compile training steps with XLA: {', '.join(JIT_COMPILE_CHOICES)} (auto: on TPUs, and on "
                                       "a single GPU as Keras does; off on CPUs, where XLA measured slower).")
+    steps_per_execution: int = _field(0, "Training steps per compiled call (Keras' steps_per_execution): the largest divisor of "
+                                         "an epoch's steps up to N (0: up to 64 and up to --checkpoint_every_steps; 1: one step a "
+                                         "call). Callbacks then see one batch end per call.")
     strategy: str = _field("auto", f"Distribution strategy: {', '.join(STRATEGIES)}.")
     num_cpu_devices: int = _field(0, "Split the CPU into this many logical devices (0: leave it whole).")
     tpu: str = _field("", "TPU for --strategy=tpu: 'local' on a TPU VM, empty on Colab, else a name or grpc:// address.")
@@ -123,9 +128,17 @@ class Config:
     initial_loss_scale: float = _field(2.0**15, "Starting dynamic loss scale (mixed_float16).")
     loss_scale_growth_steps: int = _field(2000, "Finite steps before the dynamic loss scale doubles.")
     seed: int = _field(0, "Seed for initialisation, shuffling and augmentation.")
-    # Self-supervised pretraining (--task=simclr) and its evaluation.
-    temperature: float = _field(0.2, "NT-Xent temperature.")
-    projection_dim: int = _field(128, "Output size of the SimCLR projection head.")
+    # Self-supervised pretraining (--task=simclr, byol, vicreg, barlow_twins, mocov3) and its evaluation.
+    pretrain_examples: int = _field(0, "Pretrain on a seeded sample of this many images (0: all; for data-size sweeps).")
+    temperature: float = _field(0.2, "Softmax temperature of simclr (NT-Xent) and mocov3 (InfoNCE).")
+    projection_dim: int = _field(128, "Output size of the projection head (and of the byol/mocov3 predictor).")
+    projection_hidden_dim: int = _field(0, "Hidden size of the projection head and predictor (0: the encoder's feature size).")
+    target_momentum: float = _field(0.99, "byol, mocov3: momentum of the EMA target at step 0 (rises to 1 on a cosine).")
+    invariance_weight: float = _field(25.0, "vicreg: weight of the invariance (MSE) term.")
+    variance_weight: float = _field(25.0, "vicreg: weight of the variance (hinge on standard deviation) term.")
+    covariance_weight: float = _field(1.0, "vicreg: weight of the covariance term.")
+    redundancy_weight: float = _field(0.0051, "barlow_twins: weight of the off-diagonal cross-correlation terms.")
+    stop_on_plateau: bool = _field(False, "Stop pretraining when the kNN monitor plateaus (the small-data guard).")
     crop_min_scale: float = _field(0.08, "Smallest area fraction of the random resized crop.")
     flip: bool = _field(True, "Random horizontal flips (turn off for digits and text).")
     color_jitter: float = _field(0.5, "Colour jitter strength (0: off).")
@@ -140,8 +153,15 @@ class Config:
     baseline_epochs: int = _field(200, "Epochs of the supervised baseline over the labeled subset.")
     baseline_learning_rate: float = _field(3e-3, "AdamW learning rate of the supervised baseline.")
     dry_run: bool = _field(False, "Build model and input pipeline, write WORKDIR/memory_estimate.json, and train nothing.")
+    smoke: bool = _field(False, "Smoke variant of the preset: the whole pipeline on a few steps per phase (first contact, CI; "
+                                "about 20 s on 2 cores for the digits presets).")
+    verbose: bool = _field(False, "Show TensorFlow's start-up lines, other libraries' INFO logs and the inner stages' epochs "
+                                  "(probe, baseline).")
     keep_checkpoints: int = _field(3, "How many checkpoints to keep under WORKDIR/checkpoints.")
     checkpoint_every_steps: int = _field(0, "Also checkpoint every N optimizer steps (0: at epoch ends only).")
+    checkpoint_every_seconds: float = _field(10.0, "At epoch ends, checkpoint once N seconds have passed since the last checkpoint "
+                                             "(0: every epoch end). The first and last epoch, --checkpoint_every_steps, SIGTERM and "
+                                             "Ctrl-C always checkpoint; multi_worker_mirrored runs checkpoint every epoch end.")
     nan_retries: int = _field(2, "On a non-finite loss, restore the last good checkpoint this many times before failing.")
     max_skipped_steps: int = _field(20, "fp16 steps skipped in a row (loss-scale overflow) that count as a failure.")
     loss_explosion_factor: float = _field(1000.0, "A finite training loss this many times the best finished epoch's counts as "
@@ -195,10 +215,10 @@ def validate(config: Config) -> Config:
             raise UsageError(f"{name} must be a positive integer, got {value}")
     for name, value in {"image_size": config.image_size, "num_cpu_devices": config.num_cpu_devices, "warmup_epochs": config.warmup_epochs,
                         "weight_decay": config.weight_decay, "color_jitter": config.color_jitter,
-                        "noise_stddev": config.noise_stddev}.items():
+                        "noise_stddev": config.noise_stddev, "checkpoint_every_seconds": config.checkpoint_every_seconds}.items():
         if value < 0:
             raise UsageError(f"{name} must be >= 0, got {value}")
-    for name in ("checkpoint_every_steps", "nan_retries", "max_skipped_steps", "replica_check_every_steps"):
+    for name in ("checkpoint_every_steps", "nan_retries", "max_skipped_steps", "replica_check_every_steps", "steps_per_execution"):
         if getattr(config, name) < 0:
             raise UsageError(f"{name} must be >= 0, got {getattr(config, name)}")
     if config.loss_explosion_factor != 0 and config.loss_explosion_factor <= 1:
@@ -214,7 +234,8 @@ def validate(config: Config) -> Config:
         raise UsageError(f"blur_probability must be in [0, 1], got {config.blur_probability}")
     if config.task in ("linear_eval", "finetune"):
         if not config.encoder:
-            raise UsageError(f"--task={config.task} needs --encoder=PATH (an encoder.keras written by --task=simclr)")
+            raise UsageError(f"--task={config.task} needs --encoder=PATH (an encoder.keras written by --task="
+                             f"{'|'.join(SSL_METHODS)})")
         if not os.path.isfile(config.encoder):
             raise UsageError(f"encoder {config.encoder}: no such file")
     if config.float32_layers:
@@ -232,6 +253,12 @@ def validate(config: Config) -> Config:
             raise UsageError(f"--task_index must be in [0, {len(hosts) - 1}] for {len(hosts)} worker hosts, got {config.task_index}")
     if config.unlabeled_split and not config.dataset.startswith("tfds:"):
         raise UsageError(f"--unlabeled_split applies to tfds:NAME data sets only, not {config.dataset}")
+    if not 0 <= config.target_momentum <= 1:
+        raise UsageError(f"target_momentum must be in [0, 1], got {config.target_momentum}")
+    for name in ("pretrain_examples", "projection_hidden_dim", "invariance_weight", "variance_weight", "covariance_weight",
+                 "redundancy_weight"):
+        if getattr(config, name) < 0:
+            raise UsageError(f"{name} must be >= 0, got {getattr(config, name)}")
     if not 0 <= config.bn_momentum < 1:
         raise UsageError(f"bn_momentum must be in [0, 1), got {config.bn_momentum}")
     if config.loss_scale != "dynamic":
@@ -245,7 +272,22 @@ def validate(config: Config) -> Config:
             f"global_batch_size {config.global_batch_size} is not divisible by num_cpu_devices {config.num_cpu_devices}; "
             f"use a multiple of {config.num_cpu_devices}"
         )
-    return config.replace(precision=precision)
+    config = config.replace(precision=precision)
+    return smoke_variant(config) if config.smoke else config
+
+
+# What --smoke caps: every phase runs, each for a few steps (big_vision's `runlocal` idea).
+SMOKE_LIMITS = {"epochs": 2, "probe_epochs": 10, "baseline_epochs": 5, "label_draws": 2, "knn_every_epochs": 1,
+                "pretrain_examples": 512}
+
+
+def smoke_variant(config: Config) -> Config:
+    """The config capped to `SMOKE_LIMITS` (a value already below its cap stays)."""
+    changes = {}
+    for name, limit in SMOKE_LIMITS.items():
+        value = getattr(config, name)
+        changes[name] = limit if (name == "pretrain_examples" and value == 0) else min(value, limit)
+    return config.replace(**changes)
 
 
 def load_json(path: str) -> Config:

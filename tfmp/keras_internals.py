@@ -10,6 +10,7 @@ name is used here and nowhere else, so an upgrade has one file to re-check:
 | `LossScaleOptimizer._tf_apply`, `_stateful_handle_finite_grads`, `_stateful_handle_non_finite_grads`, `_overwrite_variable_with_gradient` | `tfmp.precision.LossScaleOptimizer` | floor, hysteresis, skip count, and the all-replica overflow decision (`tfmp/upstream.py`) are overrides of these |
 | `keras.src.backend.tensorflow.trainer` (`TensorFlowTrainer._maybe_symbolic_build`, `reduce_per_replica`, `_collective_all_reduce_multi_worker`) | `tfmp/upstream.py` | the two multi-worker `fit()` fixes patch them |
 | `tf.__internal__.distribute.strategy_supports_no_merge_call` | `tfmp/upstream.py` | which cross-replica path an optimizer step takes |
+| `tf.__internal__.distribute.interim.maybe_merge_call` | `tfmp/ssl/momentum.py` (EMA target update) | the cross-replica update path Keras' optimizers take, with and without merge calls |
 
 `CHECKED_KERAS_VERSIONS` names the Keras releases these were read and tested against
 (tests/test_keras_internals.py fails if a hook disappears). Outside them, the first use
@@ -54,6 +55,8 @@ def missing_hooks() -> list[str]:
         missing.append("Layer._flatten_layers")
     if not hasattr(tf.__internal__.distribute, "strategy_supports_no_merge_call"):
         missing.append("tf.__internal__.distribute.strategy_supports_no_merge_call")
+    if not hasattr(tf.__internal__.distribute.interim, "maybe_merge_call"):
+        missing.append("tf.__internal__.distribute.interim.maybe_merge_call")
     return missing
 
 
@@ -86,6 +89,14 @@ def strategy_supports_no_merge_call() -> bool:
     import tensorflow as tf
 
     return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def maybe_merge_call(fn, strategy, *args):
+    """Runs `fn(distribution, *args)` in cross-replica context (or directly where the strategy needs no merge
+    call), as Keras' TensorFlow optimizer applies its updates."""
+    import tensorflow as tf
+
+    return tf.__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args)
 
 
 def is_multi_worker(strategy) -> bool:

@@ -1,0 +1,68 @@
+"""Runs every digits SSL preset under each precision and on 2 CPU replicas, and prints the comparison table.
+
+    python experiments/compare_ssl_methods.py --out=runs/compare_ssl
+
+Each cell is one `python -m tfmp.train` process (through `run_matrix.py`, finished cells are skipped on a
+rerun). The supervised baseline is trained once per precision and strategy, in the SimCLR cell: it is seeded
+per label draw and does not depend on the method (tests/test_presentation.py checks that every preset's
+baseline is the same), so the other methods' cells run with `--compare_supervised=false`. The table's
+"pretrain s" is the pretraining phase alone (`pretrain_seconds`); cells run one after another on the same
+cores, but other work on the machine changes them — the accuracies are the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+METHODS = ("simclr", "byol", "vicreg", "barlow_twins", "mocov3")
+CELLS = (("float32", "off"), ("mixed_bfloat16", "off"), ("float32", "mirrored:2"))
+
+
+def cell_metrics(out: str, method: str, precision: str, strategy: str) -> dict | None:
+    path = os.path.join(out, method, f"{precision}_{strategy.replace(':', '')}", "metrics.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as file:
+        return json.load(file)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--cells", default=",".join(f"{p}@{s}" for p, s in CELLS), help="precision@strategy,...")
+    parser.add_argument("--table_only", action="store_true", help="print the table of the cells already run")
+    args = parser.parse_args()
+    cells = [tuple(cell.split("@")) for cell in args.cells.split(",")]
+    methods = args.methods.split(",")
+    if not args.table_only:
+        for method in ["simclr", *[name for name in methods if name != "simclr"]]:
+            for precision, strategy in cells:
+                extra = [] if method == "simclr" else ["--", "--compare_supervised=false"]
+                subprocess.run([sys.executable, os.path.join(HERE, "run_matrix.py"), f"--flagfile={HERE}/digits_{method}.cfg",
+                                f"--precisions={precision}", f"--strategies={strategy}", f"--out={os.path.join(args.out, method)}",
+                                *extra], check=True, stdout=subprocess.DEVNULL)
+
+    print("| method | precision | replicas | linear probe | kNN | supervised baseline | probe − baseline | pretrain s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for method in methods:
+        for precision, strategy in cells:
+            metrics = cell_metrics(args.out, method, precision, strategy)
+            baseline = cell_metrics(args.out, "simclr", precision, strategy)
+            if metrics is None:
+                continue
+            base = (baseline or {}).get("supervised_baseline_accuracy")
+            gain = f"{metrics['linear_probe_accuracy'] - base:+.3f}" if base is not None else "n/a"
+            print(f"| {method} | {precision} | {metrics['num_replicas']} | {metrics['linear_probe_accuracy']:.3f} | "
+                  f"{metrics['knn_accuracy']:.3f} | {base if base is None else f'{base:.3f}'} | {gain} | "
+                  f"{metrics['pretrain_seconds']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""`TwoViewModel`: what every two-view self-supervised method shares, as a `keras.Model` for `fit()`.
+
+A method (SimCLR, BYOL, VICReg, Barlow Twins, MoCo v3) is a subclass that builds its heads and
+defines `ssl_loss`; everything else is here, written once:
+
+* two augmented views per image, drawn in the step from a seed that folds in the run seed,
+  the optimizer step and the replica id (`tfmp.data.augment.step_seed`): distinct streams per
+  replica, reproducible runs; under `jit_compile=True` on several mirrored replicas the views
+  alone compile with XLA (`tfmp.compilation`);
+* both views go through the encoder as one batch, in the policy dtype;
+* the loss is float32, divided by the number of replicas (Keras sums gradients over
+  replicas) and, under `mixed_float16`, scaled by the `LossScaleOptimizer`;
+* an online linear probe on stop-gradient features reports `probe_accuracy` from the labels
+  a run may see (-1 marks an unlabeled image) without influencing the encoder;
+* `loss` and each method's own terms (`metric_names`) are tracked as Keras metrics.
+
+Methods with a momentum (EMA) target network build on `MomentumTwoViewModel`
+(`tfmp.ssl.momentum`).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfmp import compilation
+from tfmp.data import augment
+from tfmp.models.layers import NormSettings, batch_norm
+
+
+def mlp_head(hidden_dim: int, output_dim: int, norm: NormSettings, name: str, input_dim: int) -> keras.Sequential:
+    """Dense -> BatchNorm -> ReLU -> Dense, the last layer float32 (the losses are float32), built for `input_dim`."""
+    head = keras.Sequential([
+        keras.layers.Dense(hidden_dim, use_bias=False, name=f"{name}_hidden"),
+        batch_norm(norm, name=f"{name}_bn"),
+        keras.layers.ReLU(name=f"{name}_relu"),
+        keras.layers.Dense(output_dim, dtype="float32", name=f"{name}_out"),
+    ], name=name)
+    head.build((None, input_dim))
+    return head
+
+
+class TwoViewModel(keras.Model):
+    """Base class of the two-view SSL methods around any encoder that maps images to a feature vector.
+
+    Subclasses build their heads in `__init__` and implement `ssl_loss`; those with a target
+    network also `target_outputs` (computed outside the gradient tape) and `after_update`.
+
+    Args:
+        encoder: a Keras model, images -> [batch, features].
+        num_classes: size of the online linear probe (0: no probe).
+        augment_config: augmentation strengths of the views.
+        seed: the run seed augmentation streams derive from.
+    """
+
+    metric_names: tuple[str, ...] = ()  # the method's own loss terms, tracked as metrics beside `loss`
+
+    def __init__(self, encoder: keras.Model, *, num_classes: int = 0, augment_config: augment.AugmentConfig = augment.AugmentConfig(),
+                 seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = encoder
+        self.feature_dim = encoder.output_shape[-1]
+        self.probe = keras.layers.Dense(num_classes, dtype="float32", name="online_probe") if num_classes else None
+        if self.probe is not None:
+            self.probe.build((None, self.feature_dim))
+        self.augment_config = augment_config
+        self.seed = seed
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.term_trackers = {name: keras.metrics.Mean(name=name) for name in self.metric_names}
+        self.probe_loss_tracker = keras.metrics.Mean(name="probe_loss")
+        self.probe_accuracy = keras.metrics.SparseCategoricalAccuracy(name="probe_accuracy")
+        self._compiled_views = None  # set by compile(jit_compile=True) on several mirrored replicas
+
+    # ------------------------------------------------------------------ what a method defines
+
+    def ssl_loss(self, features: tf.Tensor, batch_size: tf.Tensor, targets) -> tuple[tf.Tensor, dict]:
+        """The method's loss (float32 scalar, this replica's share of the global-batch loss) and its terms.
+
+        Args:
+            features: encoder outputs of both views, `[first view; second view]`.
+            batch_size: this replica's images per view.
+            targets: what `target_outputs` returned (None without a target network).
+        """
+        raise NotImplementedError
+
+    def target_outputs(self, first: tf.Tensor, second: tf.Tensor):
+        """What the loss compares against that takes no gradient (e.g. a momentum network's outputs)."""
+        return None
+
+    def after_update(self) -> None:
+        """Runs after the optimizer step (e.g. the momentum target's update)."""
+
+    # ------------------------------------------------------------------ shared
+
+    def compile(self, optimizer=None, *, jit_compile="auto", **kwargs):
+        """Keras' `compile`; `jit_compile=True` on several mirrored replicas compiles each replica's
+        augmentations with XLA instead of the whole step, which XLA cannot (`tfmp.compilation`)."""
+        per_replica = compilation.scope(jit_compile is True, self.distribute_strategy) == compilation.REPLICA_AUGMENTATIONS
+        self._compiled_views = tf.function(self._draw_views, jit_compile=True) if per_replica else None
+        super().compile(optimizer=optimizer, jit_compile=compilation.for_keras(jit_compile, self.distribute_strategy), **kwargs)
+
+    def build(self, input_shape):
+        self.built = True  # the heads are built in __init__, for the encoder's feature size
+
+    def call(self, images, training=False):
+        return self.encoder(images, training=training)
+
+    @property
+    def metrics(self):
+        tracked = [self.loss_tracker, *self.term_trackers.values()]
+        if self.probe is not None:
+            tracked += [self.probe_loss_tracker, self.probe_accuracy]
+        return tracked
+
+    def views(self, images: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """The two augmented views of this replica's batch at the current step."""
+        context = tf.distribute.get_replica_context()
+        replica_id = context.replica_id_in_sync_group if context is not None else 0
+        seed = augment.step_seed(self.seed, self.optimizer.iterations, replica_id)
+        return (self._compiled_views or self._draw_views)(images, seed)
+
+    def _draw_views(self, images: tf.Tensor, seed: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        first_seed, second_seed = augment.split_seed(seed, 2)
+        return (augment.simclr_augment(images, first_seed, self.augment_config),
+                augment.simclr_augment(images, second_seed, self.augment_config))
+
+    def _probe_loss(self, features: tf.Tensor, labels: tf.Tensor):
+        logits = self.probe(tf.stop_gradient(tf.cast(features, tf.float32)))
+        weights = tf.cast(labels >= 0, tf.float32)  # -1 marks unlabeled images
+        per_example = keras.losses.sparse_categorical_crossentropy(tf.maximum(labels, 0), logits, from_logits=True)
+        return tf.reduce_sum(per_example * weights) / tf.maximum(tf.reduce_sum(weights), 1.0), logits, weights
+
+    def train_step(self, data):
+        images, labels = (data[0], data[1]) if isinstance(data, (tuple, list)) else (data, None)
+        first, second = self.views(images)
+        batch = tf.shape(first)[0]
+        targets = self.target_outputs(first, second)
+        context = tf.distribute.get_replica_context()
+        num_replicas = context.num_replicas_in_sync if context is not None else 1
+        probing = self.probe is not None and labels is not None
+        with tf.GradientTape() as tape:
+            features = self.encoder(tf.concat([first, second], axis=0), training=True)
+            loss, terms = self.ssl_loss(features, batch, targets)
+            total = loss
+            if probing:
+                probe_loss, logits, weights = self._probe_loss(features[:batch], labels)
+                total = total + probe_loss
+            # Keras sums gradients over replicas: scale each replica's loss by 1/N.
+            scaled = total / tf.cast(num_replicas, total.dtype)
+            if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+                scaled = self.optimizer.scale_loss(scaled)
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(scaled, variables), variables)
+        self.after_update()
+
+        self.loss_tracker.update_state(loss)
+        for name, value in terms.items():
+            self.term_trackers[name].update_state(value)
+        if probing:
+            self.probe_loss_tracker.update_state(probe_loss)
+            self.probe_accuracy.update_state(tf.maximum(labels, 0), logits, sample_weight=weights)
+        return {metric.name: metric.result() for metric in self.metrics}

@@ -1,0 +1,156 @@
+"""`--task=simclr|byol|vicreg|barlow_twins|mocov3`: self-supervised pretraining and its measurement.
+
+One task for every method of `tfmp.ssl.METHODS`: pretrain on the train split's images (labels
+hidden, but for the labeled fraction the online probe may see), save `WORKDIR/encoder.keras`,
+measure the frozen encoder with a linear probe and kNN on `--label_fraction` of the train labels
+(`--label_draws` draws), and, with `--compare_supervised`, train the same architecture from
+scratch on the same labeled examples — the number SSL has to beat. The small-data guard reads
+the plan before training and the results after (`tfmp.ssl.guard`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tfmp import data as tfmp_data
+from tfmp import compilation, distribute, models, optimizers, ssl
+from tfmp.config import Config
+from tfmp.data.augment import AugmentConfig
+from tfmp.diagnostics import flops
+from tfmp.models import export
+from tfmp.report import Phase, Phases
+from tfmp.run_directory import RunDirectory
+from tfmp.ssl import guard, probes
+from tfmp.tasks.evaluation import (EVAL_BATCH, check_label_draws, evaluate_over_draws, evaluation_phase, labeled_indices,
+                                   mean_over_draws)
+from tfmp.tasks.stage import (apply_float32_layers, check_batch_fits, check_model_fits, fit_stage, jit_compile, norm_settings,
+                              steps_per_execution)
+from tfmp.tasks.supervised import baseline_config, fit_classifier
+
+logger = logging.getLogger(__name__)
+
+
+def augment_config(config: Config) -> AugmentConfig:
+    return AugmentConfig(crop_scale=(config.crop_min_scale, 1.0), flip=config.flip, color_jitter=config.color_jitter,
+                         blur_probability=config.blur_probability, noise_stddev=config.noise_stddev)
+
+
+def pretraining_images(config: Config, data: tfmp_data.ImageData) -> tuple[tfmp_data.Split, np.ndarray | None]:
+    """The images pretraining sees: the extra unlabeled split if there is one, else the train split;
+    with `--pretrain_examples=N`, a seeded sample of N of them (the small-data guard's sweep).
+
+    Returns:
+        `(split, indices)`: indices sorted, or None for the whole split.
+    """
+    images = data.unlabeled or data.train
+    if not config.pretrain_examples or config.pretrain_examples >= len(images):
+        return images, None
+    return images, np.sort(np.random.default_rng(config.seed).choice(len(images), config.pretrain_examples, replace=False))
+
+
+def check_inputs(config: Config, data: tfmp_data.ImageData) -> None:
+    """What a pretraining task needs from the user's input, checked before anything is written."""
+    images, indices = pretraining_images(config, data)
+    count = len(images) if indices is None else len(indices)
+    check_batch_fits(config.global_batch_size, count, f"images of {data.name} to pretrain on")
+    check_label_draws(config, data)
+    check_model_fits(config, data)
+
+
+def build_method(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, total_steps: int):
+    """The method `--task` names around a new encoder, built and compiled in the strategy's scope."""
+    norm = norm_settings(config, strategy)
+    with strategy.scope():
+        encoder = models.build_encoder(config.model, data.image_shape, norm, remat=config.remat)
+        method = ssl.METHODS[config.task]
+        schedule = {"total_steps": total_steps} if issubclass(method, ssl.MomentumTwoViewModel) else {}
+        model = method.from_run_config(encoder, config, num_classes=data.num_classes, norm=norm,
+                                       augment_config=augment_config(config), seed=config.seed, **schedule)
+        model.build((None, *data.image_shape))
+        apply_float32_layers(model, config)
+        steps_per_epoch = total_steps // config.epochs
+        model.compile(optimizer=optimizers.make_optimizer(config, steps_per_epoch), jit_compile=jit_compile(config, strategy),
+                      steps_per_execution=steps_per_execution(config, steps_per_epoch, strategy))
+    return model
+
+
+def phases(config: Config) -> list[Phase]:
+    """Pretraining, evaluation, then the baseline of each label draw."""
+    plan = [Phase(f"pretrain {config.task} ({config.model}), {config.epochs} epochs", "pretraining"), evaluation_phase(config)]
+    if config.compare_supervised:
+        plan += [Phase(f"supervised baseline, label draw {draw + 1}/{config.label_draws}", "baseline draw")
+                 for draw in range(config.label_draws)]
+    return plan
+
+
+def run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, directory: RunDirectory,
+        extra_callbacks=(), progress: Phases | None = None) -> dict:
+    """Pretrain with `--task`'s method, save the encoder, probe it, and (optionally) train the baseline."""
+    progress = progress or Phases(phases(config))
+    progress.start(0)
+    images, indices = pretraining_images(config, data)
+    count = len(images) if indices is None else len(indices)
+    total_steps = config.epochs * (count // config.global_batch_size)
+    labeled = labeled_indices(config, data)
+    model = build_method(config, data, strategy, total_steps)
+    encoder = model.encoder
+
+    warnings = guard.check(count, config.epochs, config.global_batch_size, encoder.count_params())
+    for warning in warnings:
+        logger.warning("small-data guard: %s", warning)
+
+    visible = None
+    if images is data.train:  # the labeled fraction's labels stay visible (online probe), as positions in `indices`
+        visible = labeled if indices is None else np.flatnonzero(np.isin(indices, labeled))
+    pretrain = tfmp_data.classification_pipeline(images, config.global_batch_size, training=True, seed=config.seed,
+                                                 indices=indices, visible_labels=visible)
+    knn = probes.KNNMonitor(encoder, tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=labeled),
+                            tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False), data.num_classes,
+                            every_epochs=config.knn_every_epochs, jit_compile=jit_compile(config, strategy))
+    plateau = guard.PlateauWatch(stop=config.stop_on_plateau)
+    started = time.perf_counter()
+    results = fit_stage(model, pretrain, config, directory, global_batch_size=config.global_batch_size,
+                        monitors=[knn, plateau], extra_callbacks=extra_callbacks,
+                        # two views through the encoder, forward + backward (the heads are not counted)
+                        flops_per_example=2 * 3 * flops.forward_flops_per_example(encoder, data.image_shape))
+    if distribute.is_chief(strategy):
+        # Keras' own layers only, so the file loads without tfmp (tfmp.models.export).
+        export.portable(encoder).save(directory.encoder_file)
+
+    pretrained = time.perf_counter()
+    progress.start(1)
+    metrics = {
+        "method": config.task,
+        **results,
+        "unlabeled_examples": count,
+        "small_data_warnings": warnings,
+        "knn_curve": plateau.curve,  # (epoch, kNN accuracy) of every measurement in this process
+        "encoder_dtype_policy": encoder.dtype_policy.name,
+        **evaluate_over_draws(config, data, encoder, jit_compile(config, strategy)),
+    }
+    # Seconds per phase, so a comparison of methods can leave out the (shared) baseline.
+    metrics.update(pretrain_seconds=round(pretrained - started, 2), evaluation_seconds=round(time.perf_counter() - pretrained, 2))
+    if config.compare_supervised:
+        baseline_started = time.perf_counter()
+        per_draw = []
+        compiled = compilation.CompiledOnce()  # one traced training step for all the draws
+        for draw in range(config.label_draws):
+            progress.start(2 + draw)
+            # Seeded per draw: the baseline's initialisation must not depend on how much randomness the
+            # method (or a resumption) used before it, so every method's run compares with the same baseline.
+            distribute.set_seed(config.seed + draw)
+            baseline = fit_classifier(baseline_config(config), data, strategy, directory.stage("baseline", f"draw{draw}"),
+                                      indices=labeled_indices(config, data, draw), validate_every=config.baseline_epochs,
+                                      quiet=True, compiled=compiled)
+            per_draw.append({"supervised_baseline_accuracy": baseline["eval_accuracy"]})
+        metrics.update(mean_over_draws(per_draw))
+        metrics["baseline_seconds"] = round(time.perf_counter() - baseline_started, 2)
+    verdict = guard.verdict(metrics, plateau)
+    for warning in verdict:
+        logger.warning("small-data guard: %s", warning)
+    metrics["small_data_warnings"] = warnings + verdict
+    return metrics

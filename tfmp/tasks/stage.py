@@ -1,0 +1,184 @@
+"""What every task's training stages share: one helper that fits a stage and collects its results.
+
+A *stage* is one `fit()` with its own run directory (pretraining, a fine-tune, the supervised
+baseline of one label draw). `fit_stage` adds tfmp's callbacks (checkpoints with resume,
+guards, telemetry, loggers), trains, raises `TrainingFailed` with the NaN guard's diagnosis
+when the stage diverged, and returns the figures every stage reports. The input checks
+(`check_batch_fits`, `check_model_fits`) and the one rule for synchronized BatchNorm
+(`norm_settings`) live here too, so that all tasks apply them alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+
+import keras
+import tensorflow as tf
+
+from tfmp import callbacks as tfmp_callbacks
+from tfmp import compilation, models, precision
+from tfmp.config import Config, UsageError
+from tfmp.diagnostics import flops
+from tfmp.run_directory import RunDirectory
+
+logger = logging.getLogger(__name__)
+
+# tfmp's callback settings are `Config`'s fields of the same names (tfmp.callbacks.default_callbacks).
+CALLBACK_SETTINGS = ("keep_checkpoints", "checkpoint_every_steps", "checkpoint_every_seconds", "nan_retries", "max_skipped_steps",
+                     "loss_explosion_factor", "replica_check_every_steps")
+
+
+class TrainingFailed(RuntimeError):
+    """Training ran but did not succeed (e.g. the loss became non-finite); CLI exit code 1."""
+
+
+def verbosity() -> int:
+    # A progress bar on a terminal; one line per epoch in logs and CI.
+    return 1 if sys.stdout.isatty() else 2
+
+
+def norm_settings(config: Config, strategy: tf.distribute.Strategy) -> models.NormSettings:
+    """The one rule for BatchNorm in every task: synchronized across replicas whenever there are several.
+
+    Keras keeps a plain BatchNorm's moving statistics per replica, so the replicas' copies drift
+    apart (tests/test_guards.py); and in SSL a replica could tell its own images apart by their
+    local batch statistics. On one replica synchronizing changes nothing and costs a code path.
+    """
+    return models.NormSettings(momentum=config.bn_momentum, synchronized=strategy.num_replicas_in_sync > 1)
+
+
+def jit_compile(config: Config, strategy: tf.distribute.Strategy) -> bool:
+    """Whether this run's steps compile with XLA (`--jit_compile`, resolved for the strategy's devices)."""
+    return compilation.resolve(config.jit_compile, strategy.num_replicas_in_sync)[0]
+
+
+MAX_AUTO_STEPS_PER_EXECUTION = 64
+
+
+def largest_divisor_at_most(count: int, limit: int) -> int:
+    """The largest divisor of `count` not above `limit`."""
+    return max(divisor for divisor in range(1, min(count, limit) + 1) if count % divisor == 0)
+
+
+def steps_per_execution(config: Config, steps_per_epoch: int, strategy: tf.distribute.Strategy) -> int:
+    """Steps per compiled call for an epoch of `steps_per_epoch` steps (`--steps_per_execution`).
+
+    A divisor of the epoch, so that every execution is full and the batch indices callbacks see
+    are the true step counts (Keras reports an execution's planned last step even when the epoch
+    ends inside it). Left to auto, it is also at most `--checkpoint_every_steps`, so checkpoints
+    (and the NaN guard's restore point) keep the cadence asked for. On the digits SimCLR preset
+    one call per 11-step epoch measured 13% less time per step than one call per step
+    (BUILD_NOTES "Performance, round two").
+
+    One step a call under MultiWorkerMirroredStrategy: Keras 3.15's multi-step loop fails there
+    (InvalidArgumentError at a placeholder of its `has_next` condition, two workers on 127.0.0.1)."""
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        if config.steps_per_execution > 1:
+            logger.warning("--steps_per_execution=%d: one step a call under multi_worker_mirrored (Keras' multi-step loop "
+                           "fails there)", config.steps_per_execution)
+        return 1
+    auto_limit = min(MAX_AUTO_STEPS_PER_EXECUTION, config.checkpoint_every_steps or MAX_AUTO_STEPS_PER_EXECUTION)
+    return largest_divisor_at_most(steps_per_epoch, config.steps_per_execution or auto_limit)
+
+
+def apply_float32_layers(model: keras.Model, config: Config) -> None:
+    """Applies `--float32_layers` (a no-op without it); a pattern matching nothing is a usage error."""
+    if not config.float32_layers:
+        return
+    try:
+        names = precision.keep_float32(model, config.float32_layers)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    logger.info("float32 layers: %s", ", ".join(names))
+
+
+def loss_scale_metrics(optimizer) -> dict:
+    """`loss_scale` and `skipped_steps` where the optimizer scales the loss (fp16), else nothing."""
+    scale = precision.current_loss_scale(optimizer)
+    if scale is None:
+        return {}
+    return {"loss_scale": scale, "skipped_steps": precision.skipped_steps(optimizer)}
+
+
+def run_callbacks(config: Config, directory: RunDirectory, monitors=(), validation: bool = False):
+    """tfmp's callbacks for one training stage in `directory` (its settings are `Config`'s fields by name)."""
+    return tfmp_callbacks.default_callbacks(directory, monitors=monitors, validation=validation,
+                                            **{name: getattr(config, name) for name in CALLBACK_SETTINGS})
+
+
+def find(callbacks, kind):
+    return next(callback for callback in callbacks if isinstance(callback, kind))
+
+
+def raise_if_failed(callbacks, losses: list[float]) -> None:
+    """Raises TrainingFailed with the NaN guard's diagnosis when training diverged."""
+    guard = find(callbacks, tfmp_callbacks.NaNGuard)
+    if guard.diagnosis:
+        raise TrainingFailed(guard.diagnosis)
+    if losses and not math.isfinite(losses[-1]):  # e.g. the guard disabled with --nan_retries=0 and a finite restore
+        raise TrainingFailed(f"training loss ended at {losses[-1]}; {guard.diagnose()}")
+
+
+def fit_stage(model: keras.Model, dataset: tf.data.Dataset, config: Config, directory: RunDirectory, *, global_batch_size: int,
+              steps_per_epoch: int | None = None, monitors=(), extra_callbacks=(), validation_data=None, validate_every: int = 1,
+              quiet: bool = False, flops_per_example: float | None = None) -> dict:
+    """Trains `model` on `dataset` for `config.epochs` with tfmp's callbacks in `directory` (a rerun resumes).
+
+    Args:
+        model: a compiled Keras model.
+        dataset: the batched training data.
+        config: the stage's config (epochs and the callbacks' settings).
+        directory: the stage's run directory.
+        global_batch_size: examples per step (for the throughput figure).
+        steps_per_epoch: as `fit()`'s (for a repeated dataset); None: one pass over `dataset`.
+        monitors: callbacks whose values go into the logs (e.g. a kNN monitor).
+        extra_callbacks: the caller's Keras callbacks, after tfmp's own.
+        validation_data, validate_every: as `fit()`'s `validation_data` and `validation_freq`.
+        quiet: an inner stage (the baseline's draws): no epoch lines unless `--verbose`.
+        flops_per_example: training FLOPs per example; with it the results have `mfu` and how
+            its peak was derived (`tfmp.diagnostics.flops`).
+
+    Returns:
+        `train_loss` (the last epoch's, also when the stage had already finished), `steps`,
+        `resumed_from_epoch`, `resumed_from_step`, `examples_per_second`, and the loss-scale
+        figures under fp16.
+
+    Raises:
+        TrainingFailed: the stage diverged; the message is the NaN guard's diagnosis.
+    """
+    callbacks = run_callbacks(config, directory, monitors, validation=validation_data is not None)
+    throughput = tfmp_callbacks.Throughput(global_batch_size)
+    history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch, validation_data=validation_data,
+                        validation_freq=validate_every, callbacks=[throughput, *callbacks, *extra_callbacks], shuffle=False,
+                        verbose=0 if quiet and not config.verbose else verbosity())
+    # A stage that had already finished trains no epoch: its last loss is in its history.csv.
+    losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(directory.history_file)[-1:]]
+    raise_if_failed(callbacks, losses)
+    checkpointing = find(callbacks, tfmp_callbacks.Checkpointing)
+    utilisation = {} if flops_per_example is None else flops.utilisation(flops_per_example, throughput.examples_per_second,
+                                                                          precision.global_policy_name())
+    return {
+        "train_loss": float(losses[-1]) if losses else math.nan,
+        "steps": int(model.optimizer.iterations.numpy()),
+        "resumed_from_epoch": checkpointing.restored_epoch,
+        "resumed_from_step": checkpointing.restored_step,
+        "examples_per_second": throughput.examples_per_second,
+        **utilisation,
+        **loss_scale_metrics(model.optimizer),
+    }
+
+
+def check_batch_fits(batch: int, count: int, what: str) -> None:
+    """UsageError unless one global batch fits in `count` examples (`what` names them)."""
+    if count // batch < 1:
+        raise UsageError(f"global_batch_size {batch} exceeds the {count} {what}; lower --global_batch_size")
+
+
+def check_model_fits(config: Config, data) -> None:
+    """UsageError unless `--model` takes the data's images (e.g. resnet50 needs at least 32x32)."""
+    try:
+        models.check_image_size(config.model, data.image_shape)
+    except ValueError as error:
+        raise UsageError(f"{error} ({data.name} has {'x'.join(map(str, data.image_shape))} images)") from None
