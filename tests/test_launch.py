@@ -77,6 +77,7 @@ def _worker_pid(workdir, task_index):
     raise AssertionError(f"no worker {task_index} for {workdir}")
 
 
+@pytest.mark.slow  # 44 s; the two-worker run itself is in the default suite
 def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path):
     workdir = str(tmp_path / "run")
     command = [sys.executable, "-m", "tfmp.launch", "--num_workers=2", *DIGITS, "--checkpoint_every_steps=5", f"--workdir={workdir}"]

@@ -25,6 +25,20 @@ def test_a_non_chief_worker_reads_the_chiefs_files_and_writes_to_scratch(tmp_pat
     assert RunDirectory(str(tmp_path)).for_worker(chief=True) == RunDirectory(str(tmp_path))
 
 
+def test_the_writable_check_creates_no_folder_even_for_a_moment(tmp_path, monkeypatch):
+    """Two workers check one new workdir at once: if the check created and removed it, one worker's
+    removal could pull the folder from under the other's probe file (seen in test_launch)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("check_writable created a folder")
+    monkeypatch.setattr(os, "makedirs", refuse)
+    monkeypatch.setattr(os, "mkdir", refuse)
+    RunDirectory(str(tmp_path / "new" / "run")).check_writable()
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="is not writable"):
+        RunDirectory(str(tmp_path / "file" / "run")).check_writable()
+
+
 def test_the_writable_check_leaves_no_folder_behind(tmp_path):
     RunDirectory(str(tmp_path / "a" / "b" / "run")).check_writable()
     assert os.listdir(tmp_path) == []

@@ -10,8 +10,10 @@ Where things live:
     tfmp.optimizers  optimizers and learning-rate schedules
     tfmp.callbacks   checkpoints/resume, telemetry, TensorBoard
     tfmp.config      the config schema and its flags
-    tfmp.tf_environment  what TensorFlow reads when it loads (set by the entry points first)
-    tfmp.ssl         SimCLR, NT-Xent, probes, small-data guard
+    tfmp.tf_environment  what TensorFlow reads when it loads, and its start-up lines kept off the terminal
+    tfmp.logs        how tfmp's messages look, in the CLI and in library use
+    tfmp.ssl         SSL methods (SimCLR, BYOL, VICReg, Barlow Twins, MoCo v3), their losses, probes, small-data guard
+    tfmp.tasks       the tasks of `--task=NAME` (registry), and what their training stages share
     tfmp.training    `run(config, workdir)`, used by the CLI `python -m tfmp.train`
     tfmp.run_directory  every path and file name of a run (config.json, checkpoints/, encoder.keras, ...)
     tfmp.diagnostics precision doctor, memory estimate
@@ -22,10 +24,13 @@ Submodules import on first use, so `import tfmp` alone does not start TensorFlow
 
 import importlib
 
-__version__ = "0.1.0"
+from tfmp import logs as _logs
 
-_SUBMODULES = ("bench", "callbacks", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware", "keras_internals", "launch", "models",
-               "optimizers", "precision", "run_directory", "ssl", "tf_environment", "train", "training", "upstream")
+__version__ = "0.1.0"
+_logs.install_library_default()  # tfmp's choices are seen once even where nobody configured logging
+
+_SUBMODULES = ("bench", "callbacks", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware", "keras_internals", "launch", "logs", "models",
+               "optimizers", "precision", "report", "run_directory", "ssl", "tasks", "tf_environment", "train", "training", "upstream")
 
 
 def __getattr__(name):

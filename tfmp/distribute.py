@@ -131,13 +131,16 @@ def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu:
     gpus = tf.config.list_logical_devices("GPU")
     cpus = tf.config.list_logical_devices("CPU")
 
+    reason = "asked for"
     if name == "auto":
         if hardware.tpu_present():
-            name = "tpu"
+            name, reason = "tpu", "auto: a TPU is attached"
         elif len(gpus) > 1 or (not gpus and len(cpus) > 1):
             name = "mirrored"
+            reason = f"auto: {len(gpus)} GPUs" if gpus else f"auto: the CPU is split into {len(cpus)} logical devices"
         else:
-            name = "off"
+            name, reason = "off", f"auto: one {'GPU' if gpus else 'CPU'} device"
+    logger.info("strategy: %s (%s)", name, reason)
 
     if name == "off":
         return tf.distribute.get_strategy()

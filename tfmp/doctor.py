@@ -10,11 +10,10 @@ Exit codes: 0 report printed; 2 usage or input error.
 
 from __future__ import annotations
 
-import logging
 import re
 import sys
 
-from tfmp import tf_environment
+from tfmp import logs, tf_environment
 
 tf_environment.prepare()  # before TensorFlow loads: log level, oneDNN kernels
 
@@ -55,6 +54,7 @@ def recommendations(report, hardware_policy: str, hardware_reason: str) -> list[
 
 
 def main(argv: list[str]) -> int:
+    logs.configure()  # first: absl's own logging.info would otherwise install Python's default format
     if any(arg in ("-h", "--help", "--helpfull") for arg in argv[1:]):
         print(__doc__ + "\n" + FLAGS.get_help())
         return 0
@@ -75,8 +75,9 @@ def main(argv: list[str]) -> int:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         return 2
 
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from tfmp import data as tfmp_data, models, precision  # imports TensorFlow
+    logs.configure(verbose=config.verbose)
+    tf_environment.load_tensorflow(verbose=config.verbose)  # its start-up lines kept off the terminal
+    from tfmp import data as tfmp_data, models, precision
     from tfmp.diagnostics import precision_report
 
     try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -80,7 +79,9 @@ def launch(num_workers: int, train_args: list[str], poll_seconds: float = 0.2) -
 
     stopped = set()  # workers the launcher ended: their codes say nothing about the run
     try:
-        while any(process.poll() is None for process in processes):
+        # Poll every worker each round: `any(p.poll() is None ...)` would stop at the first running one and
+        # never notice a later worker that died, leaving the others blocked in a collective (seen in a test run).
+        while None in [process.poll() for process in processes]:
             if any(process.returncode not in (None, 0) for process in processes):
                 for index, process in enumerate(processes):
                     if process.poll() is None:

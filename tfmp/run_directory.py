@@ -6,7 +6,8 @@
     WORKDIR/checkpoints/           tf.train checkpoints (`tfmp.callbacks.Checkpointing`)
     WORKDIR/tensorboard/           TensorBoard scalars of every stage (a stage's below, e.g. baseline/draw0/)
     WORKDIR/history.csv            one row per epoch, appended across resumptions
-    WORKDIR/encoder.keras          the pretrained encoder (--task=simclr), loadable without tfmp
+    WORKDIR/encoder.keras          the pretrained encoder (--task=simclr, byol, ...), loadable without tfmp
+    WORKDIR/summary.png            the run's figures drawn (probe vs baseline per draw, kNN over epochs)
     WORKDIR/baseline/draw<N>/      a stage's own run directory (the supervised baseline of label draw N):
                                    its checkpoints and history.csv
 
@@ -32,6 +33,7 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.json"
 MEMORY_ESTIMATE_FILE = "memory_estimate.json"
 HISTORY_FILE = "history.csv"
+SUMMARY_PNG_FILE = "summary.png"
 ENCODER_FILE = "encoder.keras"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"
@@ -107,6 +109,10 @@ class RunDirectory:
         return os.path.join(self.path, ENCODER_FILE)
 
     @property
+    def summary_png_file(self) -> str:
+        return os.path.join(self.path, SUMMARY_PNG_FILE)
+
+    @property
     def history_file(self) -> str:
         return os.path.join(self.path, HISTORY_FILE)
 
@@ -126,25 +132,22 @@ class RunDirectory:
     def check_writable(self) -> None:
         """Raises UsageError (one line) unless the run directory is, or can be made, a writable directory.
 
-        Writes and removes a probe file; folders it had to create for that are removed again,
-        so a refused run leaves nothing behind."""
+        Writes and removes a probe file in the run directory, or, while it does not exist yet, in
+        the nearest folder above it that does: creating (and removing again) the run directory
+        here would race with the other workers of a multi-worker run, which check the same
+        directory at the same moment (one worker's removal broke the other's probe). Nothing is
+        left behind, so a refused run writes nothing."""
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise UsageError(f"workdir {self.path} is a file, not a directory; choose another --workdir")
-        missing = []  # the folders this check creates, deepest first
         folder = os.path.abspath(self.path)
         while not os.path.exists(folder):
-            missing.append(folder)
             folder = os.path.dirname(folder)
         try:
-            os.makedirs(self.path, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".tfmp-write-check-"):
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".tfmp-write-check-"):
                 pass
         except OSError as error:
-            raise UsageError(f"workdir {self.path} is not writable ({error.strerror or error}); choose another --workdir") from None
-        finally:
-            for created in missing:
-                if os.path.isdir(created):
-                    os.rmdir(created)
+            raise UsageError(f"workdir {self.path} is not writable ({error.strerror or error}); "
+                             "choose another --workdir") from None
 
     def finished_metrics(self, config: Config) -> dict | None:
         """What an earlier run here left: its metrics when the same config already finished,

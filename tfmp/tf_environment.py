@@ -10,12 +10,21 @@ is never changed.
   ResNet-18 training step ran 1.5x faster with them (BUILD_NOTES.md, "Machine and versions"),
   and without them TF keeps no CPU allocation statistics, so peak tensor memory cannot be
   measured. On CPUs where oneDNN is TF's default already, setting it changes nothing.
+
+`captured_startup()` keeps the lines TensorFlow's C++ side prints while it loads and first
+lists devices (a banner, twice, then `failed call to cuInit` on a machine without a GPU)
+off the terminal: `TF_CPP_MIN_LOG_LEVEL` does not reach them in TF 2.21, since they are
+written before absl's logging is initialised. They are captured at the file-descriptor
+level (C++ writes to fd 2 directly) and shown with `--verbose`, or when loading fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import sys
+import tempfile
 
 
 def prepare() -> None:
@@ -24,3 +33,42 @@ def prepare() -> None:
     if platform.machine() in ("x86_64", "AMD64"):
         # Not on Arm: there oneDNN runs through the Arm Compute Library, which tfmp has not measured.
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+
+@contextlib.contextmanager
+def captured_startup(show: bool = False):
+    """Sends everything written to stderr (fd 2) inside the block to a temporary file.
+
+    The captured text is written to the real stderr afterwards when `show` is set or the block
+    raised; the yielded list receives it either way (one string).
+    """
+    captured: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        failed = False
+        try:
+            yield captured
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.append(sink.read().decode("utf-8", "replace"))
+            if (show or failed) and captured[0]:
+                sys.stderr.write(captured[0])
+                sys.stderr.flush()
+
+
+def load_tensorflow(verbose: bool = False):
+    """Imports TensorFlow and discovers its devices with their start-up lines captured (`captured_startup`);
+    the entry points call this before anything else imports TensorFlow. Returns the module."""
+    with captured_startup(show=verbose):
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()  # device discovery prints the rest (cuInit on machines without a GPU)
+    return tf

@@ -9,7 +9,7 @@ to resume).
 
 from __future__ import annotations
 
-import logging
+import os
 import signal
 import sys
 
@@ -20,6 +20,7 @@ tf_environment.prepare()  # before TensorFlow loads: log level, oneDNN kernels
 from absl import flags  # noqa: E402
 
 from tfmp import config as tfmp_config  # noqa: E402
+from tfmp import logs, report  # noqa: E402
 from tfmp.run_directory import RunDirectory  # noqa: E402
 
 FLAGS = flags.FlagValues()
@@ -37,6 +38,7 @@ def _fail(message: str, code: int) -> int:
 
 def main(argv: list[str]) -> int:
     """Runs the CLI on `argv` (program name first) and returns the exit code."""
+    logs.configure()  # first: absl's own logging.info would otherwise install Python's default format
     if any(arg in ("-h", "--help", "--helpfull") for arg in argv[1:]):
         print(f"usage: python -m {PROGRAM} [--flagfile=FILE] [--name=value ...]\n\n{FLAGS.get_help()}")
         return 0
@@ -64,10 +66,12 @@ def main(argv: list[str]) -> int:
         print(f"already finished: {directory.metrics_file} (nothing to do)")
         return 0
 
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("tfmp").setLevel(logging.INFO)
+    logs.configure(verbose=config.verbose)
     try:
-        from tfmp import training  # imports TensorFlow
+        # TensorFlow's C++ start-up lines go to fd 2 before its logging is set up; kept off the
+        # terminal (shown with --verbose, or if loading fails) so the lines below are tfmp's.
+        tf_environment.load_tensorflow(verbose=config.verbose)
+        from tfmp import training
         from tfmp.callbacks import Preempted
     except KeyboardInterrupt:
         return _fail("interrupted (Ctrl-C) before training started", INTERRUPTED_EXIT_CODE)
@@ -82,13 +86,12 @@ def main(argv: list[str]) -> int:
                      128 + error.signal_number)
     except KeyboardInterrupt:  # Ctrl-C outside a training step (loading data, tracing, evaluating)
         return _fail("interrupted (Ctrl-C); rerun the same command to resume from the last checkpoint", INTERRUPTED_EXIT_CODE)
-    shown = ("precision", "strategy", "num_replicas", "train_loss", "eval_accuracy", "linear_probe_accuracy", "knn_accuracy",
-             "supervised_baseline_accuracy")
-    summary = {key: round(metrics[key], 4) if isinstance(metrics[key], float) else metrics[key] for key in shown if key in metrics}
     if config.dry_run:
         print(f"dry run: {directory.memory_estimate_file}")
         return 0
-    print(f"done: {directory.metrics_file} {summary}")
+    print(report.summary_table(metrics))
+    drawn = f", {directory.summary_png_file}" if os.path.exists(directory.summary_png_file) else ""
+    print(f"done: {directory.metrics_file}{drawn}")
     return 0
 
 

@@ -1,0 +1,114 @@
+"""What a person sees (issue 14): phase headers and quiet inner stages, one-line errors after
+TensorFlow loads, the summary, the smoke variant of every preset, the library path's log lines."""
+
+import csv
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from tfmp import report
+
+DIGITS_PRESETS = sorted(os.path.basename(path)[:-4] for path in glob.glob(os.path.join(REPO, "experiments", "digits_*.cfg")))
+
+
+def test_an_error_after_tensorflow_loaded_is_one_line_on_stderr(run_cli, tmp_path):
+    """resnet50 on 8x8 digits is refused by the task's input check, which runs after TF loads."""
+    result = run_cli("--model=resnet50", f"--workdir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "tfmp.train: error: model resnet50 needs images of at least 32px, got 8; set --image_size (digits has 8x8x1 images)"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def smoke_simclr(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("smoke") / "simclr"
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, "-m", "tfmp.train", "--flagfile=experiments/digits_simclr.cfg", "--smoke",
+                             f"--workdir={workdir}"], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return workdir, result
+
+
+def test_the_main_job_announces_its_phases_in_order_and_keeps_inner_stages_quiet(smoke_simclr):
+    _, result = smoke_simclr
+    lines = result.stdout.splitlines()
+    headers = [line for line in lines if re.match(r"^\[\d+/\d+\] ", line)]
+    assert [header.split(" ·")[0] for header in headers] == [
+        "[1/4] pretrain simclr (small_cnn), 2 epochs", "[2/4] linear probe + kNN, 2 label draws of 2% of the labels",
+        "[3/4] supervised baseline, label draw 1/2", "[4/4] supervised baseline, label draw 2/2"]
+    assert "ETA after the first baseline draw" in headers[2] and re.search(r"ETA \d+:\d\d$", headers[3])
+    pretraining = lines[lines.index(headers[0]) + 1:lines.index(headers[1])]
+    assert len(pretraining) <= 2 * 2  # two epochs, at most "Epoch i/N" and its one line each
+    after_pretraining = lines[lines.index(headers[1]):]
+    assert not any(line.startswith("Epoch ") for line in after_pretraining), "the baseline's epochs are shown only with --verbose"
+
+
+def test_the_run_ends_with_a_summary_table_and_its_picture(smoke_simclr):
+    workdir, result = smoke_simclr
+    table = result.stdout[result.stdout.index("simclr · small_cnn"):]
+    assert re.search(r"^\s+mean\s+0\.\d{3} ± 0\.\d{3}\s+0\.\d{3} ± 0\.\d{3}\s+0\.\d{3} ± 0\.\d{3}\s+[+-]0\.\d{3}$", table, re.M)
+    assert result.stdout.rstrip().endswith(f"done: {workdir}/metrics.json, {workdir}/summary.png")
+    assert (workdir / "summary.png").stat().st_size > 10_000
+    with open(workdir / "metrics.json", encoding="utf-8") as file:
+        metrics = json.load(file)
+    assert 0 < metrics["mfu"] and "GFLOP/s" in metrics["mfu_peak_formula"]  # the pretraining step's utilisation
+
+
+def test_history_csv_has_the_columns_the_task_logs(smoke_simclr):
+    workdir, _ = smoke_simclr
+    with open(workdir / "history.csv", encoding="utf-8", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert "knn_accuracy" in rows[0] and all(row["knn_accuracy"] not in ("", "NA") for row in rows)  # smoke: every epoch
+    assert not [column for column in rows[0] if column.startswith("val_")], "pretraining has no validation data"
+    with open(workdir / "baseline" / "draw0" / "history.csv", encoding="utf-8", newline="") as file:
+        assert "val_accuracy" in next(csv.reader(file))  # the baseline validates (at its last epoch)
+
+
+@pytest.mark.slow  # ~20 s each; the SimCLR preset's smoke run above is in the default suite
+@pytest.mark.parametrize("preset", [name for name in DIGITS_PRESETS if name != "digits_simclr"])
+def test_the_smoke_variant_of_each_preset_runs_the_whole_pipeline_in_well_under_a_minute(run_cli, tmp_path, preset, smoke_simclr):
+    result = run_cli(f"--flagfile=experiments/{preset}.cfg", "--smoke", f"--workdir={tmp_path / 'run'}", timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "done: " in result.stdout
+    with open(tmp_path / "run" / "metrics.json", encoding="utf-8") as file:
+        metrics = json.load(file)
+    if "supervised_baseline_accuracy_per_draw" in metrics:  # every SSL preset compares with the very same baseline
+        with open(smoke_simclr[0] / "metrics.json", encoding="utf-8") as file:
+            simclr = json.load(file)
+        assert metrics["supervised_baseline_accuracy_per_draw"] == simclr["supervised_baseline_accuracy_per_draw"]
+
+
+def test_the_summary_table_of_a_supervised_run():
+    table = report.summary_table({"task": "supervised", "model": "small_cnn", "precision": "float32", "strategy": "off",
+                                  "num_replicas": 1, "eval_accuracy": 0.9833, "train_loss": 0.05, "steps": 165})
+    assert table.splitlines() == ["supervised · small_cnn · float32 · off x1", "test accuracy: 0.9833", "final train loss: 0.05",
+                                  "steps: 165"]
+
+
+LIBRARY_USE = """
+import logging, sys
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.INFO, format="USER %(name)s %(message)s")
+import tfmp
+tfmp.precision.set_policy("float32")
+tfmp.distribute.get_strategy("auto")
+"""
+
+
+@pytest.mark.parametrize("setup", ["unconfigured", "configured"])
+def test_the_library_path_logs_its_choices_once(setup):
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, "-c", LIBRARY_USE, setup], env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    mine = [line for line in result.stderr.splitlines() if "precision: float32" in line or "strategy: " in line]
+    if setup == "unconfigured":  # nobody configured logging: tfmp writes its own short lines
+        assert mine == ["tfmp: precision: float32 (explicit choice)", "tfmp: strategy: off (auto: one CPU device)"]
+    else:  # the user's handler gets them, in the user's format, once
+        assert len(mine) == 2 and all(line.startswith("USER tfmp.") for line in mine)

@@ -1,0 +1,82 @@
+"""How tfmp talks: its own messages through `logging` (logger "tfmp"), in one short format.
+
+* Library use: a user who has not configured logging still sees tfmp's choices once — the
+  precision and strategy with their reasons, the checkpoint a run resumed from — because the
+  "tfmp" logger logs INFO and, while the root logger has no handler, writes them itself
+  ("tfmp: precision: mixed_bfloat16 (...)"). A user who configures logging (`basicConfig`,
+  absl) receives the same records through their own handlers instead, never twice.
+* Entry points (`configure`): the same short format; the run's narrative (INFO: choices made,
+  phases) on stdout beside Keras' epoch lines, warnings and errors on stderr — so an error is
+  the one line stderr gets. Python warnings become one "warning: ..." line instead of a
+  `UserWarning` with its source line.
+
+TensorFlow-free, so the CLI can use it before TensorFlow loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+LOGGER_NAME = "tfmp"
+
+
+class _ShortFormatter(logging.Formatter):
+    """`message` for INFO, `warning: message` / `error: message` above it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        return message if record.levelno <= logging.INFO else f"{record.levelname.lower()}: {message}"
+
+
+class _UntilConfigured(logging.Handler):
+    """Writes tfmp's records to stderr while nobody has configured logging (the root logger has no handler)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return  # the user's handlers get it by propagation
+        try:
+            sys.stderr.write(f"tfmp: {self.format(record)}\n")
+        except Exception:  # noqa: BLE001 — logging must never raise into the caller
+            self.handleError(record)
+
+
+class _EntryPointHandler(logging.Handler):
+    """The entry points' handler: INFO and below to stdout, WARNING and above to stderr (added once)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stdout if record.levelno <= logging.INFO else sys.stderr
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001 — logging must never raise into the caller
+            self.handleError(record)
+
+
+def install_library_default() -> None:
+    """INFO for tfmp's logger, written by `_UntilConfigured` (idempotent; run by `import tfmp`)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if not any(isinstance(handler, _UntilConfigured) for handler in logger.handlers):
+        handler = _UntilConfigured()
+        handler.setFormatter(_ShortFormatter())
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+def _warning_as_log_line(message, category, filename, lineno, file=None, line=None) -> None:
+    logging.getLogger(LOGGER_NAME).warning("%s", message)
+
+
+def configure(verbose: bool = False) -> None:
+    """Logging for tfmp's entry points: one short line per message (INFO to stdout, warnings and
+    errors to stderr); other libraries' records at WARNING (INFO too with `verbose`)."""
+    root = logging.getLogger()
+    if not any(isinstance(handler, _EntryPointHandler) for handler in root.handlers):
+        handler = _EntryPointHandler()
+        handler.setFormatter(_ShortFormatter())
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger(LOGGER_NAME).setLevel(logging.DEBUG if verbose else logging.INFO)
+    warnings.showwarning = _warning_as_log_line
