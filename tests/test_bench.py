@@ -1,6 +1,7 @@
 """`python -m tfmp.bench` on a tiny configuration."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 
 from conftest import REPO
 from tfmp import bench, models
+from tfmp.diagnostics import flops
 
 
 def test_bench_prints_one_json_line_per_precision():
@@ -18,14 +20,21 @@ def test_bench_prints_one_json_line_per_precision():
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     environment.pop("TF_ENABLE_ONEDNN_OPTS", None)
     result = subprocess.run([sys.executable, "-m", "tfmp.bench", "--model=small_cnn", "--batch=8", "--steps=2", "--repeats=2",
-                             "--warmup=1", "--precision=fp32,bf16"], cwd=REPO, env=environment, capture_output=True, text=True,
+                             "--warmup=1", "--precision=fp32,bf16", "--allow_emulated_bf16"], cwd=REPO, env=environment, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
     assert [line["precision"] for line in lines] == ["float32", "mixed_bfloat16"]
+    # It talks while it measures: what it will do, a header per configuration with an ETA once one is measured.
+    progress = result.stderr.splitlines()
+    assert progress[0].startswith("tfmp.bench: 2 configuration(s), each a fresh process")
+    headers = [line for line in progress if line.startswith("[")]
+    assert headers[0].startswith("[1/2] float32, remat none") and "ETA after the first configuration" in headers[0]
+    assert headers[1].startswith("[2/2] mixed_bfloat16, remat none") and re.search(r"ETA \d+:\d\d$", headers[1])
     for line in lines:
         assert line["images_per_second"] > 0 and line["peak_rss_mb"] > 0 and line["gflops_per_second"] > 0
         assert line["peak_tensor_mb"] > 0 and line["remat"] == "none"
+        assert line["mfu"] > 0 and "FLOP/cycle" in line["mfu_peak_formula"]
         assert abs(line["step_time_ms"] - 8000 / line["images_per_second"]) < 0.1  # batch 8 / median step
 
 
@@ -50,6 +59,13 @@ def test_analytic_flops_of_the_cifar_resnet18_forward_pass():
     # 0.56 GMACs for ResNet-18 on 32x32 CIFAR images (the commonly quoted figure): 1.11 GFLOPs.
     flops = bench.forward_flops_per_example(models.build_encoder("resnet18_cifar", (32, 32, 3)), (32, 32, 3))
     assert 1.05e9 < flops < 1.15e9
+
+
+def test_bench_refuses_emulated_bf16_unless_allowed(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "bf16_emulated", lambda: True)
+    assert bench.main(["tfmp.bench", "--model=small_cnn", "--precision=float32,bf16"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "mixed_bfloat16 is emulated on this CPU" in line and "--allow_emulated_bf16" in line
 
 
 def test_bench_usage_error(capsys):
@@ -84,3 +100,29 @@ def test_benchmark_matrix_without_matplotlib_says_so_before_measuring(tmp_path):
     assert result.stderr.strip().splitlines() == [
         'run_benchmarks: error: the chart needs matplotlib, which is not installed; pip install -e ".[bench]", or pass --no_chart']
     assert not out.exists()
+
+
+@pytest.mark.parametrize("precision, flags, vendor, family, expected", [
+    ("float32", {"avx2", "fma"}, "AuthenticAMD", 25, 32),                        # Zen 3: 2 x 256-bit FMA
+    ("mixed_bfloat16", {"avx2", "fma"}, "AuthenticAMD", 25, 32),                 # ... bf16 emulated through float32
+    ("float32", {"avx2", "fma", "avx512f", "avx512_bf16"}, "AuthenticAMD", 25, 32),  # Zen 4
+    ("mixed_bfloat16", {"avx2", "fma", "avx512f", "avx512_bf16"}, "AuthenticAMD", 25, 64),
+    ("float32", {"avx2", "fma", "avx512f"}, "AuthenticAMD", 26, 64),            # Zen 5: 2 x 512-bit FMA
+    ("float32", {"avx2", "fma", "avx512f", "amx_bf16"}, "GenuineIntel", 6, 64),  # Sapphire Rapids
+    ("mixed_bfloat16", {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, "GenuineIntel", 6, 1024),
+    ("mixed_float16", {"avx2", "fma"}, "GenuineIntel", 6, 32),
+])
+def test_peak_flops_per_cycle_from_known_cpu_flags(precision, flags, vendor, family, expected):
+    per_cycle, units = flops.flops_per_cycle(precision, frozenset(flags), vendor, family)
+    assert per_cycle == expected and units
+
+
+def test_mfu_is_achieved_over_cores_times_clock_times_flops_per_cycle(monkeypatch):
+    monkeypatch.setenv("TFMP_CPU_GHZ", "2.5")
+    monkeypatch.setattr(flops.hardware, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(flops, "_cpuinfo_fields", lambda: {"vendor_id": "AuthenticAMD", "cpu family": "25"})
+    peak = flops.cpu_peak("float32", cores=2)
+    assert peak.flops_per_second == 2 * 2.5e9 * 32
+    assert peak.formula == "2 cores x 2.500 GHz (TFMP_CPU_GHZ) x 32 FLOP/cycle (AVX2: 2 x 256-bit FMA, float32) = 160 GFLOP/s"
+    figures = flops.utilisation(1e9, 80.0, "float32")  # 80 GFLOP/s achieved
+    assert figures["achieved_gflops_per_second"] == 80.0 and figures["mfu"] == 80e9 / (len(os.sched_getaffinity(0)) * 2.5e9 * 32)

@@ -62,7 +62,7 @@ class _InterruptAfter(keras.callbacks.Callback):
 
 def test_rerun_resumes_then_recognises_the_finished_run(tmp_path, capsys):
     workdir = str(tmp_path / "run")
-    config = Config(epochs=4, precision="float32", strategy="off")
+    config = Config(epochs=4, precision="float32", strategy="off", checkpoint_every_seconds=0)  # a checkpoint per epoch end
     with pytest.raises(KeyboardInterrupt):
         training.run(config, workdir, extra_callbacks=[_InterruptAfter(2)])
     assert not os.path.exists(os.path.join(workdir, "metrics.json"))

@@ -175,3 +175,15 @@ def test_tfds_unlabeled_split_for_pretraining():
         assert (loaded.unlabeled.labels == -1).all() and (loaded.train.labels >= 0).all()
         images, labels = _images_and_labels(loaded.unlabeled, np.arange(2))
         assert images.shape == (2, 32, 32, 3) and list(labels) == [-1, -1]
+
+
+def test_tf_data_autotuning_is_off_for_arrays_in_memory_and_on_for_files(tmp_path):
+    """Autotuning measured as pure overhead over in-memory arrays on 2 cores; files still get it."""
+    digits = data.load("digits", seed=0)
+    for training in (True, False):
+        pipeline = data.classification_pipeline(digits.train, 64, training=training)
+        assert pipeline.options().autotune.enabled is False
+    _write_pngs(tmp_path / "train", ["cat", "dog"], 2)
+    _write_pngs(tmp_path / "test", ["cat", "dog"], 1)
+    folder = data.load(f"folder:{tmp_path}", image_size=16)
+    assert data.classification_pipeline(folder.train, 2, training=True).options().autotune.enabled is not False

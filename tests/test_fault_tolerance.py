@@ -39,6 +39,14 @@ def _checkpoint_steps(workdir):
     return sorted(int(step) for step in re.findall(r'^all_model_checkpoint_paths: ".*?ckpt-(\d+)"$', text, re.M))
 
 
+def _checkpoint_steps_on_disk(workdir):
+    """Steps of the complete checkpoints on disk (TF writes `ckpt-N.index` last, when merging a save).
+
+    These can be newer than the state file's: the kill may land between a save and the state update."""
+    directory = os.path.join(workdir, "checkpoints")
+    return sorted(int(match.group(1)) for name in os.listdir(directory) if (match := re.fullmatch(r"ckpt-(\d+)\.index", name)))
+
+
 def _wait_for_checkpoint(process, workdir, at_least, timeout=300):
     """Polls (does not guess a sleep) until a checkpoint of step >= at_least exists."""
     deadline = time.monotonic() + timeout
@@ -59,12 +67,11 @@ def _rerun(run_cli, workdir):
 
 
 def _killed_after_checkpoint(workdir, at_least):
-    """Starts a run, kills it (SIGKILL) once a checkpoint of step >= at_least exists; the steps registered."""
+    """Starts a run and kills it (SIGKILL) once a checkpoint of step >= at_least is registered."""
     process = _start(workdir)
     _wait_for_checkpoint(process, workdir, at_least=at_least)
     process.kill()
     process.wait(timeout=60)
-    return _checkpoint_steps(workdir)
 
 
 def test_kill_9_then_rerun_resumes(run_cli, tmp_path):
@@ -110,7 +117,8 @@ def test_a_stop_signal_saves_the_current_step_and_the_rerun_resumes_from_it(run_
 @pytest.mark.slow  # the CLI case of tests/test_checkpoint_corruption.py; the default suite keeps the garbage case below
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(run_cli, tmp_path):
     workdir = str(tmp_path / "run")
-    steps = _killed_after_checkpoint(workdir, at_least=20)
+    _killed_after_checkpoint(workdir, at_least=20)
+    steps = _checkpoint_steps(workdir)  # the state file stays intact here: resuming reads its list
     newest = os.path.join(workdir, "checkpoints", f"ckpt-{steps[-1]}.data-00000-of-00001")
     with open(newest, "r+b") as file:
         file.truncate(os.path.getsize(newest) // 2)
@@ -125,7 +133,10 @@ def test_garbage_over_the_newest_files_and_the_state_file_falls_back(run_cli, tm
     """The issue's case: killed after its newest checkpoint, then garbage bytes written over the
     newest index, data file and the `checkpoint` state file."""
     workdir = str(tmp_path / "run")
-    steps = _killed_after_checkpoint(workdir, at_least=20)
+    _killed_after_checkpoint(workdir, at_least=20)
+    # With the state file garbled, resuming rebuilds the list from the index files on disk, which
+    # may hold one save newer than the state file (killed between the two writes): count from disk.
+    steps = _checkpoint_steps_on_disk(workdir)
     directory = os.path.join(workdir, "checkpoints")
     for name in (f"ckpt-{steps[-1]}.index", f"ckpt-{steps[-1]}.data-00000-of-00001", "checkpoint"):
         path = os.path.join(directory, name)
@@ -167,6 +178,34 @@ def _classifier():
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
+
+
+class _StopAfterEpoch(keras.callbacks.Callback):
+    """Stops training after an epoch, from after tfmp's callbacks (as --stop_on_plateau's watch does)."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.stop_training = epoch == self.epoch
+
+
+@pytest.mark.parametrize("every_seconds, stop_after, expected", [
+    (0, None, [14, 28, 42, 56]),  # every epoch end
+    (3600, None, [14, 56]),  # none due within the hour: the first epoch (the NaN guard's restore point) and the last
+    (3600, 1, [14, 28]),  # stopped early: the epoch it stopped after, saved at the end of training
+])
+def test_epoch_end_checkpoints_wait_for_checkpoint_every_seconds(tmp_path, every_seconds, stop_after, expected):
+    from sklearn.datasets import load_digits
+
+    from tfmp import callbacks
+
+    images, labels = load_digits(return_X_y=True)
+    stop = [] if stop_after is None else [_StopAfterEpoch(stop_after)]
+    run_callbacks = callbacks.default_callbacks(str(tmp_path), checkpoint_every_seconds=every_seconds, keep_checkpoints=10)
+    _classifier().fit(images[:1792], labels[:1792], batch_size=128, epochs=4, verbose=0, callbacks=[*run_callbacks, *stop])
+    assert [step for step, _ in callbacks.find_checkpoints(os.path.join(tmp_path, "checkpoints"))] == expected
 
 
 def test_ctrl_c_checkpoints_the_step_and_fit_resumes_from_it(tmp_path, python_ctrl_c):

@@ -85,7 +85,8 @@ def test_supervised_classifier_with_batchnorm_compiles_on_one_device():
     assert model.jit_compile is True and np.isfinite(history.history["loss"][-1])
 
 
-@pytest.mark.parametrize("method", ["simclr", "supervised"])
+# The SimCLR step under XLA is also compiled in-process above; its bench run (16 s) is in `-m slow`.
+@pytest.mark.parametrize("method", [pytest.param("simclr", marks=pytest.mark.slow), "supervised"])
 def test_bench_runs_the_step_with_xla(method):
     result = subprocess.run([sys.executable, "-m", "tfmp.bench", "--model=small_cnn", f"--method={method}", "--xla", "--batch=8",
                              "--steps=1", "--repeats=1", "--warmup=1", "--precision=fp32"], cwd=REPO, capture_output=True, text=True,

@@ -14,6 +14,8 @@ supervised classifier — on synthetic images, compiles Keras' own train functio
                         (tensors only: activations, gradients, weights, optimizer state;
                         null where TF keeps no CPU allocation statistics, i.e. oneDNN off)
     gflops_per_second   training FLOPs per step / median step time
+    mfu                 gflops_per_second / this CPU's peak for the precision (`mfu_peak_formula` says how the
+                        peak was derived; tfmp/diagnostics/flops.py)
 
 FLOP source ("analytic"): 2 x multiply-accumulates of every Conv2D and Dense layer in the
 forward pass (from the layers' actual output shapes), x 3 for forward + backward, x 2
@@ -23,6 +25,7 @@ views for SimCLR. Element-wise ops, BatchNorm and the loss are not counted.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import resource
 import statistics
@@ -30,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from tfmp import tf_environment
+from tfmp import hardware, report, tf_environment
 
 tf_environment.prepare()  # the environment tfmp.train runs in (log level, oneDNN kernels)
 
@@ -38,24 +41,10 @@ METHODS = ("simclr", "supervised")
 
 
 def forward_flops_per_example(model, input_shape) -> int:
-    """2 x MACs of Conv2D and Dense layers for one example (see module docstring)."""
-    import keras
-    import numpy as np
+    """`tfmp.diagnostics.flops.forward_flops_per_example` (imported on use: the parent process loads no TensorFlow)."""
+    from tfmp.diagnostics import flops as flop_counting
 
-    from tfmp.diagnostics.layer_outputs import captured_outputs, leaf_layers
-
-    kinds = {layer.name: layer for layer in leaf_layers(model) if isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense))}
-    with captured_outputs(model) as captured:
-        model(np.zeros((1, *input_shape), np.float32), training=False)
-    flops = 0
-    for name, output in captured:
-        layer = kinds.get(name)
-        if layer is None:
-            continue
-        kernel = layer.kernel.shape  # Conv2D: (kh, kw, c_in, c_out); Dense: (in, out)
-        macs_per_output = int(np.prod(kernel[:-1]))
-        flops += 2 * macs_per_output * int(np.prod(output.shape[1:]))
-    return flops
+    return flop_counting.forward_flops_per_example(model, input_shape)
 
 
 def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
@@ -63,6 +52,8 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
     import keras
     import numpy as np
     import tensorflow as tf
+
+    from tfmp.diagnostics import flops as flop_counting
 
     # Thread pools must be set before TensorFlow runs anything; 0 leaves TF's default (one per core)
     # and is not set at all, so a caller that already ran TensorFlow can measure with the defaults.
@@ -74,9 +65,14 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
     from tfmp import models, precision
     from tfmp.diagnostics import memory
     from tfmp.data.augment import AugmentConfig
+    from tfmp.data.pipeline import in_memory_options
     from tfmp.ssl.simclr import SimCLR
 
+    from tfmp.models import conv
+
     policy = precision.set_policy(precision_name)
+    # Plain Keras' network has Keras' Conv2D, i.e. TensorFlow's weight gradient everywhere.
+    conv.weight_gradient = "tf" if args.keras_batchnorm else args.conv_weight_gradient
     batch = args.batch
     keras.utils.set_random_seed(args.seed)
     shape = (args.image_size, args.image_size, 3)
@@ -98,7 +94,7 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
     rng = np.random.default_rng(args.seed)
     images = rng.random((batch, *shape), dtype=np.float32)
     labels = rng.integers(0, 10, batch).astype(np.int32)
-    dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
+    dataset = tf.data.Dataset.from_tensors((images, labels)).repeat().with_options(in_memory_options())
     iterator = iter(dataset)
     model.make_train_function()
     train_function = model.train_function
@@ -124,6 +120,7 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         "method": args.method,
         "precision": policy,
         "remat": remat,
+        "conv_weight_gradient": conv.weight_gradient,
         "xla": args.xla,
         "threads": {"intra_op": args.intra_op_threads, "inter_op": args.inter_op_threads},
         "batch": batch,
@@ -134,6 +131,8 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         "images_per_second": round(batch / median, 2),
         "gflops_per_second": round(flops / median / 1e9, 1),
         "flop_source": "analytic: 2 x MACs of Conv2D/Dense forward, x3 for training" + (", x2 views" if views == 2 else ""),
+        **{key: value for key, value in flop_counting.utilisation(flops / batch, batch / median, policy).items()
+           if key in ("mfu", "mfu_peak_formula")},
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         # None where TF keeps no CPU allocation statistics (oneDNN off; see memory.reset_peak_memory)
         "peak_tensor_mb": round(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20, 1) if counts_tensors else None,
@@ -152,11 +151,17 @@ def parse(argv):
     parser.add_argument("--image_size", type=int, default=32)
     parser.add_argument("--keras_batchnorm", action="store_true",
                         help="build with Keras' own BatchNormalization (the plain-Keras baseline)")
+    parser.add_argument("--conv_weight_gradient", default="tf", choices=("tf", "im2col"),
+                        help="tf: TensorFlow's kernel everywhere (what tfmp trains with); im2col: the im2col matmul where "
+                             "measured faster (tfmp.models.conv)")
     parser.add_argument("--xla", action="store_true", help="compile the train step with XLA (jit_compile=True)")
     parser.add_argument("--intra_op_threads", type=int, default=0, help="TF intra-op threads (0: TF's default)")
     parser.add_argument("--inter_op_threads", type=int, default=0, help="TF inter-op threads (0: TF's default)")
     parser.add_argument("--remat", default="none", help="comma-separated activation checkpointing modes: none, blocks, full")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--allow_emulated_bf16", action="store_true",
+                        help="measure mixed_bfloat16 even on a CPU without bf16 units (emulated: several times slower than float32)")
+    parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up lines")
     parser.add_argument("--in_process", action="store_true", help="measure one precision in this process (used internally)")
     return parser.parse_args(argv)
 
@@ -180,19 +185,39 @@ def main(argv: list[str]) -> int:
         print(f"tfmp.bench: error: {error}", file=sys.stderr)
         return 2
     if args.in_process:
+        tf_environment.load_tensorflow(verbose=args.verbose)  # TF's start-up lines off the terminal
         result = run_one(args, precisions[0], remats[0])
         print(json.dumps(result), flush=True)
         return 0
+    if "mixed_bfloat16" in precisions and bf16_emulated() and not args.allow_emulated_bf16:
+        print("tfmp.bench: error: mixed_bfloat16 is emulated on this CPU (no AVX512_BF16 or AMX): a ResNet step takes many times "
+              "float32's (17x measured on a Zen 3), so this could run for an hour; drop it from --precision, or pass "
+              "--allow_emulated_bf16", file=sys.stderr)
+        return 2
+    configurations = [(precision_name, remat) for precision_name in precisions for remat in remats]
+    timed = args.warmup + args.steps * args.repeats
+    print(f"tfmp.bench: {len(configurations)} configuration(s), each a fresh process: build, {args.warmup} warm-up + "
+          f"{args.repeats} x {args.steps} timed steps ({timed} steps) of {args.model} {args.method} at batch {args.batch}",
+          file=sys.stderr, flush=True)
+    # Progress on stderr (stdout carries the JSON lines); the ETA comes from configurations already measured.
+    progress = report.Phases([report.Phase(f"{precision_name}, remat {remat}", "configuration")
+                              for precision_name, remat in configurations], stream=sys.stderr)
     code = 0
-    for precision_name in precisions:
-        for remat in remats:
-            command = [sys.executable, "-m", "tfmp.bench", *argv[1:], f"--precision={precision_name}", f"--remat={remat}",
-                       "--in_process"]
-            result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
-            sys.stdout.write(result.stdout)
-            sys.stdout.flush()
-            code = max(code, result.returncode)
+    for index, (precision_name, remat) in enumerate(configurations):
+        progress.start(index)
+        command = [sys.executable, "-m", "tfmp.bench", *argv[1:], f"--precision={precision_name}", f"--remat={remat}",
+                   "--in_process"]
+        result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+        sys.stdout.write(result.stdout)
+        sys.stdout.flush()
+        code = max(code, result.returncode)
+    print(f"tfmp.bench: done in {report.clock(progress.finish())}", file=sys.stderr, flush=True)
     return code
+
+
+def bf16_emulated() -> bool:
+    """No bf16 units on the CPU and no GPU (device nodes; TensorFlow is not loaded in the parent process)."""
+    return not hardware.cpu_has_bf16_units() and not glob.glob("/dev/nvidia[0-9]*") and not hardware.tpu_present()
 
 
 if __name__ == "__main__":

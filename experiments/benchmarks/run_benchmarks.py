@@ -33,7 +33,8 @@ PEER_WITH_PEAK_RSS = ("import json, resource, runpy, sys; sys.argv = sys.argv[1:
 
 def tfmp_command(precision, batch, steps, model="resnet18_cifar", keras_batchnorm=False):
     return [sys.executable, "-m", "tfmp.bench", f"--model={model}", "--method=simclr", f"--batch={batch}",
-            f"--steps={steps}", "--repeats=1", f"--precision={precision}"] + (["--keras_batchnorm"] if keras_batchnorm else [])
+            f"--steps={steps}", "--repeats=1", f"--precision={precision}", "--allow_emulated_bf16"] + (
+                ["--keras_batchnorm"] if keras_batchnorm else [])  # this script warns about emulated bf16 itself
 
 
 def keras_command(precision, batch, steps, model="resnet18_cifar"):
@@ -131,6 +132,12 @@ def main() -> int:
         print("run_benchmarks: error: the chart needs matplotlib, which is not installed; "
               "pip install -e \".[bench]\", or pass --no_chart", file=sys.stderr)
         return 2
+    if not args.from_results and "mixed_bfloat16" in args.precisions.split(","):
+        from tfmp import bench
+
+        if bench.bf16_emulated():
+            print("run_benchmarks: warning: mixed_bfloat16 is emulated on this CPU (no AVX512_BF16 or AMX): its runs take many "
+                  "times float32's; its figures say nothing about bf16 hardware", file=sys.stderr, flush=True)
     os.makedirs(args.out, exist_ok=True)
 
     if args.from_results:

@@ -5,7 +5,7 @@ Sequential, subclassed, with its own `train_step` and optimizers), one room per 
                       `PreemptionCheckpoint` (SIGTERM, Ctrl-C)
     guards.py         `NaNGuard` (divergence: restore and retry, then a diagnosis),
                       `ReplicaConsistencyCheck`
-    telemetry.py      `Throughput`, `LossScaleMonitor`, the `history.csv` reader
+    telemetry.py      `Throughput`, `LossScaleMonitor`, `HistoryCSV` (writer and reader of history.csv)
     model_state.py    what a model owns: its optimizers and the losses it logs
 
 `default_callbacks(workdir)` is the one-liner for library users; the CLI uses the same list.
@@ -21,13 +21,14 @@ import keras
 from tfmp.callbacks.checkpointing import Checkpointing, Preempted, PreemptionCheckpoint, StepCounter, find_checkpoints
 from tfmp.callbacks.guards import NaNGuard, ReplicaConsistencyCheck, ReplicaDivergenceError
 from tfmp.callbacks.model_state import logged_losses, owned_optimizers
-from tfmp.callbacks.telemetry import LossScaleMonitor, Throughput, logged_history
+from tfmp.callbacks.telemetry import HistoryCSV, LossScaleMonitor, Throughput, logged_history
 from tfmp.run_directory import RunDirectory, as_run_directory
 
 
 def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3, checkpoint_every_steps: int = 0,
+                      checkpoint_every_seconds: float = 10.0,
                       nan_retries: int = 2, max_skipped_steps: int = 20, loss_explosion_factor: float = 1000.0,
-                      replica_check_every_steps: int = 100, monitors=()) -> list[keras.callbacks.Callback]:
+                      replica_check_every_steps: int = 100, monitors=(), validation: bool = False) -> list[keras.callbacks.Callback]:
     """Step counter, guards (NaN, replica consistency), checkpoints with resume, telemetry, then the loggers.
 
     The guards run before the checkpoint so that a state they reject is not saved; telemetry
@@ -37,14 +38,16 @@ def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3,
     Args:
         workdir: the run directory (a path, or a `RunDirectory`, which on a non-chief worker
             resumes from the chief's checkpoints but writes to scratch).
-        keep_checkpoints, checkpoint_every_steps, nan_retries, max_skipped_steps,
+        keep_checkpoints, checkpoint_every_steps, checkpoint_every_seconds, nan_retries, max_skipped_steps,
         loss_explosion_factor, replica_check_every_steps: as `tfmp.config.Config`'s fields.
         monitors: callbacks whose values go into the logs (e.g. `tfmp.ssl.probes.KNNMonitor`).
+        validation: the fit validates, so history.csv gets `val_` columns.
     """
     run = as_run_directory(workdir)
     os.makedirs(run.write_path, exist_ok=True)
     counter = StepCounter()
     checkpointing = Checkpointing(run.checkpoints, keep_checkpoints=keep_checkpoints, checkpoint_every_steps=checkpoint_every_steps,
+                                  checkpoint_every_seconds=checkpoint_every_seconds,
                                   save_directory=run.checkpoints_to_write, counter=counter)
     return [
         counter,
@@ -55,11 +58,11 @@ def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3,
         PreemptionCheckpoint(checkpointing),
         LossScaleMonitor(),
         *monitors,
-        keras.callbacks.CSVLogger(run.history_to_write, append=True),
+        HistoryCSV(run.history_to_write, validation=validation),
         keras.callbacks.TensorBoard(run.tensorboard, write_graph=False),
     ]
 
 
-__all__ = ["Checkpointing", "LossScaleMonitor", "NaNGuard", "Preempted", "PreemptionCheckpoint", "ReplicaConsistencyCheck",
+__all__ = ["Checkpointing", "HistoryCSV", "LossScaleMonitor", "NaNGuard", "Preempted", "PreemptionCheckpoint", "ReplicaConsistencyCheck",
            "ReplicaDivergenceError", "StepCounter", "Throughput", "default_callbacks", "find_checkpoints", "logged_history",
            "logged_losses", "owned_optimizers"]

@@ -67,8 +67,10 @@ class NaNGuard(keras.callbacks.Callback):
             self._warned_no_loss = True
             logger.warning("NaNGuard: %s logs no loss (logged: %s); it watches the weights at each checkpoint only",
                            self.model.name, ", ".join(sorted(logs or {})) or "nothing")
+        # Skipped steps since the last batch end (one step, or an execution of several with
+        # steps_per_execution): a streak grows while every batch end brings new skips.
         skipped = self._total_skipped()
-        self._skip_streak = self._skip_streak + 1 if skipped > self._skipped else 0
+        self._skip_streak = self._skip_streak + skipped - self._skipped if skipped > self._skipped else 0
         self._skipped = skipped
         step = self.checkpointing.step
         nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
@@ -129,6 +131,7 @@ class NaNGuard(keras.callbacks.Callback):
 
     def _fail(self, event: str) -> None:
         self.events.append(event)
+        self.checkpointing.discard_unsaved()  # the last good checkpoint stays the newest
         self.diagnosis = self.diagnose()
         logger.error("%s", self.diagnosis)
         self.model.stop_training = True
@@ -195,8 +198,7 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._owns_counter:
             self.counter.on_train_batch_end(batch, logs)
-        every = self.replica_check_every_steps
-        if self._active and every and self.counter.step % every == 0:
+        if self._active and self.counter.crossed(self.replica_check_every_steps):
             self._check()
 
     def on_epoch_end(self, epoch, logs=None):

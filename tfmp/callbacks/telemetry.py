@@ -35,7 +35,7 @@ class Throughput(keras.callbacks.Callback):
         self._end = self._start
 
     def on_train_batch_end(self, batch, logs=None):
-        self._steps += 1
+        self._steps = batch + 1  # the epoch's last finished step, also with steps_per_execution > 1
         self._end = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -86,6 +86,46 @@ class LossScaleMonitor(keras.callbacks.Callback):
 def _activity(optimizer) -> tuple[int, int]:
     """(updates applied, steps skipped): a loss-scaling optimizer that skipped every step still stepped."""
     return optimizer_steps(optimizer), precision.skipped_steps(optimizer) or 0
+
+
+class HistoryCSV(keras.callbacks.Callback):
+    """Appends one row per epoch to `history.csv`: the columns the task really logs.
+
+    Keras' `CSVLogger` adds a `val_` twin of every column even to a fit without validation data
+    (four always-NA columns in a pretraining run's history). Here the columns are the first
+    epoch's keys, plus their `val_` twins only when the fit validates (`validation=True`; the
+    baseline validates at its last epoch only). Appending to an existing file keeps its header,
+    so a resumed run's rows line up with the first run's.
+    """
+
+    def __init__(self, path: str, validation: bool = False):
+        super().__init__()
+        self.path, self.validation = path, validation
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = dict(logs or {})
+        exists = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+        if exists:
+            with open(self.path, encoding="utf-8", newline="") as file:
+                columns = next(csv.reader(file), [])[1:]
+        else:
+            columns = sorted(logs)
+            if self.validation:
+                columns += [f"val_{key}" for key in columns if not key.startswith("val_") and f"val_{key}" not in columns]
+        with open(self.path, "a", encoding="utf-8", newline="") as file:
+            writer = csv.writer(file)
+            if not exists:
+                writer.writerow(["epoch", *columns])
+            writer.writerow([epoch, *(_csv_value(logs.get(key)) for key in columns)])
+
+
+def _csv_value(value) -> str:
+    if value is None:
+        return "NA"
+    try:
+        return repr(float(value))
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def logged_history(history_file: str) -> list[dict]:

@@ -48,11 +48,13 @@ class Split:
         make: returns the unbatched `(image, label)` dataset of the examples at
             `indices` (all when None), in index order.
         cacheable: whether the decoded split fits in memory (see `CACHE_LIMIT_BYTES`).
+        in_memory: the examples are arrays in memory already (nothing to read or decode).
     """
 
     labels: np.ndarray
     make: Callable[[np.ndarray | None], tf.data.Dataset]
     cacheable: bool = True
+    in_memory: bool = False
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -88,7 +90,7 @@ def _array_split(images: np.ndarray, labels: np.ndarray) -> Split:
             return tf.data.Dataset.from_tensor_slices((images, labels))
         return tf.data.Dataset.from_tensor_slices((images[indices], labels[indices]))
 
-    return Split(labels=labels, make=make)
+    return Split(labels=labels, make=make, in_memory=True)
 
 
 def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,6 +16,20 @@ from tfmp.data.datasets import Split
 SHUFFLE_BUFFER = 10_000
 
 
+def in_memory_options() -> tf.data.Options:
+    """Options for a pipeline over arrays already in memory: tf.data's autotuning off.
+
+    Autotuning sizes parallel reads, decodes and prefetch buffers; over arrays in memory there is
+    nothing for it to tune, and its background work competed with training on 2 cores: the digits
+    SimCLR preset pretrained at 3,800 images/s without it against 3,000-3,130 with it, and
+    `fit()`s of a few seconds sometimes waited ~1.5 s at their end for its thread (BUILD_NOTES
+    "Performance, round two"). Pipelines that read and decode files keep it.
+    """
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return options
+
+
 def classification_pipeline(
     split: Split,
     batch_size: int,
@@ -50,5 +64,5 @@ def classification_pipeline(
     if training:
         size = len(split) if indices is None else len(indices)
         dataset = dataset.shuffle(min(size, SHUFFLE_BUFFER), seed=seed, reshuffle_each_iteration=True)
-    dataset = dataset.batch(batch_size, drop_remainder=training)
-    return dataset.prefetch(tf.data.AUTOTUNE)
+    dataset = dataset.batch(batch_size, drop_remainder=training).prefetch(tf.data.AUTOTUNE)
+    return dataset.with_options(in_memory_options()) if split.in_memory else dataset

@@ -1,22 +1,25 @@
 """Models anyone can load: tfmp's layers swapped for Keras' own, weights and statistics carried over.
 
-tfmp trains with two layers of its own (`tfmp>BatchNormalization`, the fused kernel;
-`tfmp>CheckpointedBlock`, activation checkpointing). A `.keras` file holding them loads only
-where tfmp is imported. `portable(model)` returns the same network built from Keras layers
-only — Keras' `BatchNormalization` with the same settings, gamma, beta and moving statistics;
-each checkpointed block inlined as the plain sub-model it wraps — so `keras.saving.load_model`
-loads it in safe mode without tfmp and computes what the trained model computes (tfmp's
-BatchNorm differs from Keras' only in round-off: tests/test_export.py).
+tfmp trains with three layers of its own (`tfmp>BatchNormalization`, the fused kernel;
+`tfmp>Conv2D`, an optional im2col weight gradient; `tfmp>CheckpointedBlock`, activation
+checkpointing). A `.keras` file holding them loads only where tfmp is imported.
+`portable(model)` returns the same network built from Keras layers only — Keras'
+`BatchNormalization` with the same settings, gamma, beta and moving statistics; Keras' `Conv2D`
+with the same config and kernel; each checkpointed block inlined as the plain sub-model it
+wraps — so `keras.saving.load_model` loads it in safe mode without tfmp and computes what the
+trained model computes (tfmp's BatchNorm differs from Keras' only in round-off:
+tests/test_export.py).
 
 Each layer keeps its dtype policy: an encoder trained under `mixed_bfloat16` is exported
 with bf16 compute and float32 weights (say `keras.models.clone_model` with another policy
-to change it). `adopt(model)` is the way back, for fine-tuning with tfmp's fused BatchNorm.
+to change it). `adopt(model)` is the way back, for fine-tuning with tfmp's fused BatchNorm and Conv2D.
 """
 
 from __future__ import annotations
 
 import keras
 
+from tfmp.models.conv import Conv2D
 from tfmp.models.layers import BatchNormalization
 from tfmp.models.remat import CheckpointedBlock
 
@@ -35,6 +38,8 @@ def portable(model: keras.Model) -> keras.Model:
             config = layer.get_config()
             config.pop("fused")
             return keras.layers.BatchNormalization.from_config(config)
+        if isinstance(layer, Conv2D):  # the same config; only the gradient differs
+            return keras.layers.Conv2D.from_config(layer.get_config())
         if isinstance(layer, CheckpointedBlock):
             return portable(layer.block)
         if isinstance(layer, keras.Model):
@@ -51,6 +56,8 @@ def adopt(model: keras.Model) -> keras.Model:
     def replace(layer):
         if type(layer) is keras.layers.BatchNormalization:
             return BatchNormalization.from_config(layer.get_config())
+        if type(layer) is keras.layers.Conv2D:
+            return Conv2D.from_config(layer.get_config())
         if isinstance(layer, keras.Model):
             return adopt(layer)
         return layer.__class__.from_config(layer.get_config())

@@ -21,6 +21,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tfmp.models.conv import Conv2D
 from tfmp.models.remat import is_recomputing
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +132,9 @@ def batch_norm(norm: NormSettings, name: str | None = None, zero_init: bool = Fa
 
 
 def conv(filters: int, kernel_size: int, strides: int = 1, name: str | None = None) -> keras.layers.Conv2D:
-    # No bias: every convolution is followed by BatchNorm, whose beta plays that role.
-    return keras.layers.Conv2D(
+    # No bias: every convolution is followed by BatchNorm, whose beta plays that role. tfmp's Conv2D
+    # is Keras' with an optional im2col weight gradient (tfmp.models.conv; off by default).
+    return Conv2D(
         filters, kernel_size, strides=strides, padding="same", use_bias=False, kernel_initializer="he_normal", name=name
     )
 
