@@ -1,12 +1,14 @@
 """`python -m tfmp.bench` on a tiny configuration."""
 
+import importlib.util
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 
 from conftest import REPO
@@ -126,3 +128,36 @@ def test_mfu_is_achieved_over_cores_times_clock_times_flops_per_cycle(monkeypatc
     assert peak.formula == "2 cores x 2.500 GHz (TFMP_CPU_GHZ) x 32 FLOP/cycle (AVX2: 2 x 256-bit FMA, float32) = 160 GFLOP/s"
     figures = flops.utilisation(1e9, 80.0, "float32")  # 80 GFLOP/s achieved
     assert figures["achieved_gflops_per_second"] == 80.0 and figures["mfu"] == 80e9 / (len(os.sched_getaffinity(0)) * 2.5e9 * 32)
+
+
+def _run_benchmarks_module():
+    path = os.path.join(REPO, "experiments", "benchmarks", "run_benchmarks.py")
+    spec = importlib.util.spec_from_file_location("run_benchmarks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_supervised_matrix_times_the_supervised_step_on_both_sides():
+    run_benchmarks = _run_benchmarks_module()
+    assert "--method=supervised" in run_benchmarks.tfmp_command("float32", 64, 5, method="supervised")
+    command = run_benchmarks.peer_command("mixed_bfloat16", 64, 5, peer="/peers/torch_simclr_peer.py", method="supervised")
+    assert command[3] == run_benchmarks.SUPERVISED_PEER and "--peer=/peers/torch_simclr_peer.py" in command
+    assert "--precision=bf16" in command
+    assert run_benchmarks.peer_command("float32", 64, 5, peer="/peers/torch_simclr_peer.py")[3] == "/peers/torch_simclr_peer.py"
+
+
+def test_the_supervised_peer_trains_the_simclr_peers_resnet(tmp_path):
+    """Where PyTorch is installed (never a tfmp dependency): one real step of the supervised peer."""
+    pytest.importorskip("torch")
+    peer = tmp_path / "peer.py"  # the SimCLR peer's network, as that file defines it
+    peer.write_text("import torch\nclass CifarResNet18(torch.nn.Module):\n"
+                    "    def __init__(self):\n        super().__init__()\n        self.conv = torch.nn.Conv2d(3, 512, 3)\n"
+                    "    def forward(self, x):\n        return self.conv(x).mean((2, 3))\n")
+    script = os.path.join(REPO, "experiments", "benchmarks", "torch_supervised_peer.py")
+    result = subprocess.run([sys.executable, script, f"--peer={peer}", "--precision=fp32", "--batch=4", "--steps=1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["method"] == "supervised" and row["batch"] == 4 and row["images_per_second"] > 0
+    assert np.isfinite(row["final_loss"])

@@ -34,6 +34,7 @@ import sys
 import time
 
 from tfmp import hardware, report, tf_environment
+from tfmp.config import CONV_WEIGHT_GRADIENTS
 
 tf_environment.prepare()  # the environment tfmp.train runs in (log level, oneDNN kernels)
 
@@ -62,7 +63,7 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
     if args.inter_op_threads:
         tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
 
-    from tfmp import models, precision
+    from tfmp import keras_internals, models, precision
     from tfmp.diagnostics import memory
     from tfmp.data.augment import AugmentConfig
     from tfmp.data.pipeline import in_memory_options
@@ -121,6 +122,7 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         "precision": policy,
         "remat": remat,
         "conv_weight_gradient": conv.weight_gradient,
+        "tap_matmul_layers": sum(getattr(layer, "tap_matmul_weight_gradient", False) for layer in keras_internals.nested_layers(encoder)),
         "xla": args.xla,
         "threads": {"intra_op": args.intra_op_threads, "inter_op": args.inter_op_threads},
         "batch": batch,
@@ -151,9 +153,10 @@ def parse(argv):
     parser.add_argument("--image_size", type=int, default=32)
     parser.add_argument("--keras_batchnorm", action="store_true",
                         help="build with Keras' own BatchNormalization (the plain-Keras baseline)")
-    parser.add_argument("--conv_weight_gradient", default="tf", choices=("tf", "im2col"),
-                        help="tf: TensorFlow's kernel everywhere (what tfmp trains with); im2col: the im2col matmul where "
-                             "measured faster (tfmp.models.conv)")
+    parser.add_argument("--conv_weight_gradient", default="auto", choices=CONV_WEIGHT_GRADIENTS,
+                        help="auto: tap matmuls where measured faster, on CPUs with bf16 units (what tfmp trains with); "
+                             "tf: TensorFlow's kernel everywhere; tap_matmul: tap matmuls wherever the rule holds "
+                             "(tfmp.models.conv)")
     parser.add_argument("--xla", action="store_true", help="compile the train step with XLA (jit_compile=True)")
     parser.add_argument("--intra_op_threads", type=int, default=0, help="TF intra-op threads (0: TF's default)")
     parser.add_argument("--inter_op_threads", type=int, default=0, help="TF inter-op threads (0: TF's default)")

@@ -64,6 +64,7 @@ MODELS = ("small_cnn", "resnet18_cifar", "resnet50")
 OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
 REMAT_MODES = ("none", "blocks", "full")
+CONV_WEIGHT_GRADIENTS = ("auto", "tf", "tap_matmul")  # tfmp.models.conv.weight_gradient
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
 CHANGEABLE_ON_RESUME = ("verbose", "data_dir", "tpu", "dry_run", "jit_compile", "steps_per_execution", "worker_hosts", "task_index",

@@ -1,4 +1,4 @@
-"""Runs the throughput/memory matrix of the SimCLR step and draws it.
+"""Runs the throughput/memory matrix of the SimCLR (or supervised) step and draws it.
 
     python experiments/benchmarks/run_benchmarks.py --precisions=float32,mixed_bfloat16 --batches=64,256 \
         --rounds=3 --out=runs/bench
@@ -8,7 +8,10 @@ in an order that rotates between rounds, so slow drift of the machine hits all
 configurations alike. Runners: `tfmp` (the step tfmp trains), `keras` (the same network
 with Keras' own BatchNormalization: what plain Keras gives), and, when PyTorch is
 importable, the peer benchmark `shared/bench/torch_simclr_peer.py` (same model, batch and
-step; its peak RSS is read by a wrapper, the peer itself prints only images/s).
+step; its peak RSS is read by a wrapper, the peer itself prints only images/s). With
+`--method=supervised` every runner times the supervised step instead (ResNet-18 + a linear
+layer to 10 classes, cross-entropy); the peer is then `torch_supervised_peer.py` beside this
+file, built on the SimCLR peer's own ResNet-18.
 Writes OUT/results.json (every measurement), OUT/summary.json (median per configuration)
 and OUT/benchmark.png (images/s and peak memory), and prints the summary as a table.
 """
@@ -25,25 +28,28 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "..", "..", "..", "shared", "bench", "torch_simclr_peer.py")
+SUPERVISED_PEER = os.path.join(HERE, "torch_supervised_peer.py")
 
 
 PEER_WITH_PEAK_RSS = ("import json, resource, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
                       "print(json.dumps({'peak_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))")
 
 
-def tfmp_command(precision, batch, steps, model="resnet18_cifar", keras_batchnorm=False):
-    return [sys.executable, "-m", "tfmp.bench", f"--model={model}", "--method=simclr", f"--batch={batch}",
+def tfmp_command(precision, batch, steps, model="resnet18_cifar", method="simclr", keras_batchnorm=False):
+    return [sys.executable, "-m", "tfmp.bench", f"--model={model}", f"--method={method}", f"--batch={batch}",
             f"--steps={steps}", "--repeats=1", f"--precision={precision}", "--allow_emulated_bf16"] + (
                 ["--keras_batchnorm"] if keras_batchnorm else [])  # this script warns about emulated bf16 itself
 
 
-def keras_command(precision, batch, steps, model="resnet18_cifar"):
-    return tfmp_command(precision, batch, steps, model, keras_batchnorm=True)
+def keras_command(precision, batch, steps, model="resnet18_cifar", method="simclr"):
+    return tfmp_command(precision, batch, steps, model, method, keras_batchnorm=True)
 
 
-def peer_command(precision, batch, steps, peer=PEER):
+def peer_command(precision, batch, steps, peer=PEER, method="simclr"):
     short = {"float32": "fp32", "mixed_bfloat16": "bf16"}[precision]
-    return [sys.executable, "-c", PEER_WITH_PEAK_RSS, peer, f"--precision={short}", f"--batch={batch}", f"--steps={steps}"]
+    # The supervised peer is this folder's script; it takes the SimCLR peer's ResNet-18 from `peer`.
+    script, extra = (peer, []) if method == "simclr" else (SUPERVISED_PEER, [f"--peer={peer}"])
+    return [sys.executable, "-c", PEER_WITH_PEAK_RSS, script, f"--precision={short}", f"--batch={batch}", f"--steps={steps}", *extra]
 
 
 COMMANDS = {"tfmp": tfmp_command, "keras": keras_command}
@@ -72,9 +78,9 @@ def run_matrix(args) -> list[dict]:
         shift = round_index % len(configs)
         for framework, precision, batch in configs[shift:] + configs[:shift]:
             if framework == "torch":
-                command = peer_command(precision, batch, args.steps, args.peer)
+                command = peer_command(precision, batch, args.steps, args.peer, args.method)
             else:
-                command = COMMANDS[framework](precision, batch, args.steps, args.model)
+                command = COMMANDS[framework](precision, batch, args.steps, args.model, args.method)
             print("$", " ".join(command[1:]), file=sys.stderr, flush=True)
             row = measure(command)
             row.update(runner=framework, precision=precision, round=round_index)
@@ -120,6 +126,7 @@ def main() -> int:
     parser.add_argument("--batches", default="64")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--method", default="simclr", choices=("simclr", "supervised"), help="the step every runner times")
     parser.add_argument("--model", default="resnet18_cifar", help="tfmp/keras runners' encoder (the peer is ResNet-18 only)")
     parser.add_argument("--runners", default="tfmp,keras,torch", help="tfmp, keras (plain Keras BatchNorm), torch (when installed)")
     parser.add_argument("--peer", default=PEER, help="path of torch_simclr_peer.py (default: the shared/ folder beside the repo)")
@@ -157,7 +164,8 @@ def main() -> int:
               f"{row['peak_rss_mb'] if row['peak_rss_mb'] is not None else 'n/a'} |")
     model = results[0].get("model", args.model) if results else args.model
     if not args.no_chart:
-        draw(summary, f"SimCLR {model} step", os.path.join(args.out, "benchmark.png"))
+        method = results[0].get("method", args.method) if results else args.method
+        draw(summary, f"{'SimCLR' if method == 'simclr' else 'supervised'} {model} step", os.path.join(args.out, "benchmark.png"))
     return 0
 
 

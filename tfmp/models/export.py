@@ -1,7 +1,7 @@
 """Models anyone can load: tfmp's layers swapped for Keras' own, weights and statistics carried over.
 
 tfmp trains with three layers of its own (`tfmp>BatchNormalization`, the fused kernel;
-`tfmp>Conv2D`, an optional im2col weight gradient; `tfmp>CheckpointedBlock`, activation
+`tfmp>Conv2D`, a tap-matmul weight gradient where measured faster; `tfmp>CheckpointedBlock`, activation
 checkpointing). A `.keras` file holding them loads only where tfmp is imported.
 `portable(model)` returns the same network built from Keras layers only — Keras'
 `BatchNormalization` with the same settings, gamma, beta and moving statistics; Keras' `Conv2D`

@@ -133,7 +133,7 @@ def batch_norm(norm: NormSettings, name: str | None = None, zero_init: bool = Fa
 
 def conv(filters: int, kernel_size: int, strides: int = 1, name: str | None = None) -> keras.layers.Conv2D:
     # No bias: every convolution is followed by BatchNorm, whose beta plays that role. tfmp's Conv2D
-    # is Keras' with an optional im2col weight gradient (tfmp.models.conv; off by default).
+    # is Keras' with a tap-matmul weight gradient where measured faster (tfmp.models.conv).
     return Conv2D(
         filters, kernel_size, strides=strides, padding="same", use_bias=False, kernel_initializer="he_normal", name=name
     )

@@ -1,13 +1,14 @@
-"""A convolution's weight gradient three ways, per shape: TF's kernel against im2col + one matmul.
+"""A convolution's weight gradient four ways, per shape: TF's kernel against im2col and tap matmuls.
 
-    python experiments/benchmarks/weight_gradient_im2col.py
+    python experiments/benchmarks/weight_gradient_per_shape.py
 
 For each 3x3, stride-1, SAME convolution of the small CNN (digits, batch 128 x 2 views) and of
 ResNet-18's four stages (batch 64 x 2 views), in float32 and bf16: `Conv2DBackpropFilter` (what
-TF's gradient runs), im2col by `tf.image.extract_patches` + matmul, and im2col by nine shifted
-slices concatenated on channels + matmul. Median ms of 30 calls after 3 warm-up calls, and each
-im2col result's relative error against TF's. The table in BUILD_NOTES.md ("Performance, round
-two") came from this script; it is the measurement a per-shape weight-gradient choice starts from.
+TF's gradient runs), im2col by `tf.image.extract_patches` + matmul, im2col by nine shifted
+slices concatenated on channels + matmul, and nine matmuls (one per kernel tap over its shifted
+slice, no 9x patch matrix: what `tfmp.models.conv` builds). Median ms of 30 calls after 3
+warm-up calls, and each result's relative error against TF's. The tables in BUILD_NOTES.md
+("Performance, round two") came from this script; `tfmp.models.conv.tap_matmul_pays` is read off them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+METHODS = ("tf", "extract_patches", "shifted_slices", "nine_matmuls")
 SHAPES = [((256, 8, 8, 1), 32), ((256, 8, 8, 32), 64), ((256, 8, 8, 64), 128), ((128, 32, 32, 64), 64),
           ((128, 16, 16, 128), 128), ((128, 8, 8, 256), 256), ((128, 4, 4, 512), 512)]
 
@@ -31,6 +33,15 @@ def main() -> None:
         padded = tf.pad(inputs, [[0, 0], [pad, size - 1 - pad], [pad, size - 1 - pad], [0, 0]])
         height, width = inputs.shape[1], inputs.shape[2]
         return tf.concat([padded[:, i:i + height, j:j + width, :] for i in range(size) for j in range(size)], axis=-1)
+
+    def nine_matmuls(inputs, gradient):
+        """The same gradient without the 9x patch matrix: one matmul per kernel tap over its shifted slice."""
+        height, width, in_channels, out_channels = inputs.shape[1], inputs.shape[2], inputs.shape[3], gradient.shape[3]
+        padded = tf.pad(inputs, [[0, 0], [1, 1], [1, 1], [0, 0]])
+        flat_gradient = tf.reshape(gradient, [-1, out_channels])
+        taps = [tf.matmul(tf.reshape(padded[:, i:i + height, j:j + width, :], [-1, in_channels]), flat_gradient, transpose_a=True)
+                for i in range(3) for j in range(3)]
+        return tf.reshape(tf.stack(taps), [3, 3, in_channels, out_channels])
 
     def measure(shape, out_channels, dtype, method, repeats=30):
         inputs = tf.cast(tf.random.normal(shape), dtype)
@@ -48,6 +59,7 @@ def main() -> None:
             "extract_patches": tf.function(lambda: as_kernel(tf.image.extract_patches(inputs, [1, 3, 3, 1], [1, 1, 1, 1],
                                                                                       [1, 1, 1, 1], "SAME"))),
             "shifted_slices": tf.function(lambda: as_kernel(shifted_patches(inputs, 3))),
+            "nine_matmuls": tf.function(lambda: nine_matmuls(inputs, gradient)),
         }
         function = functions[method]
         for _ in range(3):
@@ -63,7 +75,7 @@ def main() -> None:
 
     for shape, out_channels in SHAPES:
         for dtype in (tf.float32, tf.bfloat16):
-            cells = {method: measure(shape, out_channels, dtype, method) for method in ("tf", "extract_patches", "shifted_slices")}
+            cells = {method: measure(shape, out_channels, dtype, method) for method in METHODS}
             print(shape, "->", out_channels, dtype.name,
                   " ".join(f"{method}={ms:.2f}ms (error {error:.4f})" for method, (ms, error) in cells.items()), flush=True)
 
