@@ -106,7 +106,7 @@ def test_the_cli_runs_simclr_probes_and_baseline_with_jit_compile_true(run_cli, 
     metrics = json.loads((workdir / "metrics.json").read_text())
     assert metrics["jit_compile"] is True
     assert metrics["linear_probe_accuracy"] > 0.2 and np.isfinite(metrics["train_loss"])
-    assert "jit_compile: True (explicit choice)" in result.stderr
+    assert "jit_compile: True (explicit choice)" in result.stdout  # the run's narrative goes to stdout (tfmp.logs)
 
 
 @pytest.fixture
