@@ -87,6 +87,8 @@ USAGE_ERRORS = {
     "unknown dataset": (["--dataset=mnist"], "unknown dataset 'mnist'; valid: digits, folder:PATH"),
     "unknown model": (["--model=vit"], "unknown model 'vit'; valid: small_cnn"),
     "unknown remat": (["--remat=all"], "unknown remat 'all'; valid: none, blocks, full"),
+    "unknown conv weight gradient": (["--conv_weight_gradient=im2col"],
+                                     "unknown conv_weight_gradient 'im2col'; valid: auto, tf, tap_matmul"),
     "missing folder": (["--dataset=folder:/no/such/dir"], "folder:/no/such/dir: no such directory"),
     "missing flagfile": (["--flagfile=/no/such.cfg"], "Unable to open flagfile"),
     "negative batch": (["--global_batch_size=-4"], "global_batch_size must be a positive integer, got -4"),

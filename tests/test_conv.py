@@ -140,3 +140,19 @@ def test_the_tap_matmuls_keep_the_steps_peak_memory():
     assert result.returncode == 0, result.stderr[-2000:]
     peaks = json.loads(result.stdout.strip().splitlines()[-1])
     assert peaks["tap_matmul"] <= 1.3 * peaks["tf"], peaks
+
+
+@pytest.mark.parametrize("mode", ["tf", "tap_matmul"])
+def test_a_run_sets_the_mode_it_was_given_and_logs_it_under_bf16(monkeypatch, caplog, mode):
+    """`--conv_weight_gradient` reaches the layers before any step is traced, and a bf16 run says which it took."""
+    from tfmp import training
+    from tfmp.config import Config
+
+    monkeypatch.setattr(conv, "weight_gradient", "auto")  # put back after the test
+    try:
+        with caplog.at_level("INFO", logger="tfmp"):
+            training.prepare(Config(precision="mixed_bfloat16", strategy="off", conv_weight_gradient=mode))
+    finally:
+        precision.set_policy("float32")
+    assert conv.weight_gradient == mode
+    assert f"conv weight gradient: {mode} (" in caplog.text

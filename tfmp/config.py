@@ -67,8 +67,8 @@ REMAT_MODES = ("none", "blocks", "full")
 CONV_WEIGHT_GRADIENTS = ("auto", "tf", "tap_matmul")  # tfmp.models.conv.weight_gradient
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
-CHANGEABLE_ON_RESUME = ("verbose", "data_dir", "tpu", "dry_run", "jit_compile", "steps_per_execution", "worker_hosts", "task_index",
-                        "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "nan_retries", "max_skipped_steps",
+CHANGEABLE_ON_RESUME = ("verbose", "data_dir", "tpu", "dry_run", "jit_compile", "conv_weight_gradient", "steps_per_execution",
+                        "worker_hosts", "task_index", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "nan_retries", "max_skipped_steps",
                         "loss_explosion_factor", "replica_check_every_steps")
 
 
@@ -123,6 +123,9 @@ class Config:
     weight_decay: float = _field(1e-4, "Decoupled weight decay.")
     remat: str = _field("none", f"Activation checkpointing: {', '.join(REMAT_MODES)} (blocks: recompute each residual "
                                 "block in the backward pass; full: also each stage around its blocks).")
+    conv_weight_gradient: str = _field("auto", f"Convolution weight gradient: {', '.join(CONV_WEIGHT_GRADIENTS)} (auto: one bf16 "
+                                               "matmul per kernel tap where measured faster, on CPUs with bf16 units; tf: "
+                                               "TensorFlow's kernel everywhere; tap_matmul: the matmuls wherever the shape rule holds).")
     bn_momentum: float = _field(0.9, "BatchNorm momentum (0.9 suits small data sets; Keras' default is 0.99).")
     float32_layers: str = _field("", "Regular expression: layers whose names match stay float32 under a mixed policy.")
     loss_scale: str = _field("dynamic", "mixed_float16 loss scale: 'dynamic' or a fixed number.")
@@ -199,6 +202,7 @@ def validate(config: Config) -> Config:
     _choice("optimizer", config.optimizer, OPTIMIZERS)
     _choice("learning_rate_scaling", config.learning_rate_scaling, LEARNING_RATE_SCALINGS)
     _choice("remat", config.remat, REMAT_MODES)
+    _choice("conv_weight_gradient", config.conv_weight_gradient, CONV_WEIGHT_GRADIENTS)
     _choice("jit_compile", config.jit_compile, JIT_COMPILE_CHOICES)
     precision = canonical_precision(config.precision)
     dataset = config.dataset

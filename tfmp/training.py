@@ -19,6 +19,7 @@ import tfmp
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import data as tfmp_data
 from tfmp import compilation, distribute, models, precision, report
+from tfmp.models import conv
 from tfmp.config import Config, UsageError, validate
 from tfmp.run_directory import RunDirectory, as_run_directory
 from tfmp.tasks import TASKS, TrainingFailed  # noqa: F401 — TrainingFailed is part of this module's API
@@ -66,6 +67,9 @@ def prepare(config: Config) -> tuple[Config, str, tf.distribute.Strategy]:
     except (ValueError, RuntimeError) as error:
         raise UsageError(str(error)) from None
     logger.info("jit_compile: %s (%s); XLA compiles: %s", xla, reason, compilation.scope(xla, strategy))
+    conv.weight_gradient = config.conv_weight_gradient  # read when the steps are traced
+    if policy == "mixed_bfloat16":
+        logger.info("conv weight gradient: %s", conv.describe_weight_gradient())
     distribute.set_seed(config.seed)
     return config, policy, strategy
 

@@ -60,6 +60,17 @@ def use_tap_matmul(input_shape, kernel_size, strides, dtype) -> bool:
     return weight_gradient == "tap_matmul" or _runs_on_a_cpu_with_bf16_units()
 
 
+def describe_weight_gradient() -> str:
+    """One line for the run's log: what `weight_gradient` means on this machine."""
+    if weight_gradient == "tf":
+        return "tf (TensorFlow's kernel everywhere, as asked)"
+    if weight_gradient == "tap_matmul":
+        return "tap_matmul (bf16 3x3 layers on <= 8x8 maps with >= 256 channels, as asked)"
+    if _runs_on_a_cpu_with_bf16_units():
+        return "auto: tap matmuls for bf16 3x3 layers on <= 8x8 maps with >= 256 channels (measured faster on CPUs with bf16 units)"
+    return "auto: TensorFlow's kernel (a GPU/TPU is visible or the CPU has no bf16 units)"
+
+
 def tap_matmul_kernel_gradient(inputs: tf.Tensor, upstream: tf.Tensor, kernel_shape) -> tf.Tensor:
     """A stride-1 "same" convolution's kernel gradient as one matmul per kernel tap: tap (row, column) is
     the input shifted by that tap, flattened to [N*H*W, C], transposed times the upstream gradient
