@@ -120,7 +120,7 @@ from tfmp.models import conv
 from tfmp.diagnostics import memory
 precision.set_policy("mixed_bfloat16")
 rng = np.random.default_rng(0)
-images, labels = rng.random((128, 8, 8, 64), dtype=np.float32), rng.integers(0, 10, 128)
+images, labels = rng.random((32, 8, 8, 64), dtype=np.float32), rng.integers(0, 10, 32)
 peaks = {}
 for mode in ("tf", "tap_matmul"):
     conv.weight_gradient = mode
@@ -133,13 +133,13 @@ print(json.dumps(peaks))
 
 
 def test_the_tap_matmuls_keep_the_steps_peak_memory():
-    """The shifted copies are made one at a time, once needed: seven such layers' step peaks within 1.3x of TF's
-    kernel (measured 1.01x one op at a time; with the copies free to be made early, 5.5x)."""
+    """The shifted copies are made one at a time, once needed: seven such layers' step peak within 1.6x of TF's
+    kernel (measured 0.98-1.19x one op at a time at this batch of 32; with the copies free to be made early, 3.4x)."""
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run([sys.executable, "-c", MEASURE_PEAKS], env=environment, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     peaks = json.loads(result.stdout.strip().splitlines()[-1])
-    assert peaks["tap_matmul"] <= 1.3 * peaks["tf"], peaks
+    assert peaks["tap_matmul"] <= 1.6 * peaks["tf"], peaks
 
 
 @pytest.mark.parametrize("mode", ["tf", "tap_matmul"])
