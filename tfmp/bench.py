@@ -122,7 +122,8 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         "precision": policy,
         "remat": remat,
         "conv_weight_gradient": conv.weight_gradient,
-        "tap_matmul_layers": sum(getattr(layer, "tap_matmul_weight_gradient", False) for layer in keras_internals.nested_layers(encoder)),
+        "tap_matmul_layers": sum(isinstance(layer, conv.Conv2D) and layer.tap_matmul_weight_gradient
+                                 for layer in keras_internals.nested_layers(encoder)),
         "xla": args.xla,
         "threads": {"intra_op": args.intra_op_threads, "inter_op": args.inter_op_threads},
         "batch": batch,

@@ -37,8 +37,11 @@ from tfmp.config import CONV_WEIGHT_GRADIENTS
 weight_gradient = "auto"
 
 
+RULE = "bf16 3x3 stride-1 layers on <= 8x8 maps with >= 256 channels"  # what `tap_matmul_pays` checks, for logs
+
+
 def tap_matmul_pays(input_shape, kernel_size, strides, dtype) -> bool:
-    """The measured rule: bf16, 3x3 stride 1, a feature map of at most 8x8 with at least 256 channels."""
+    """The measured rule (`RULE`): bf16, 3x3 stride 1, a feature map of at most 8x8 with at least 256 channels."""
     height, width, channels = input_shape[1], input_shape[2], input_shape[3]
     return (dtype == tf.bfloat16 and tuple(kernel_size) == (3, 3) and tuple(strides) == (1, 1)
             and None not in (height, width, channels) and height * width <= 64 and channels >= 256)
@@ -65,9 +68,9 @@ def describe_weight_gradient() -> str:
     if weight_gradient == "tf":
         return "tf (TensorFlow's kernel everywhere, as asked)"
     if weight_gradient == "tap_matmul":
-        return "tap_matmul (bf16 3x3 layers on <= 8x8 maps with >= 256 channels, as asked)"
+        return f"tap_matmul ({RULE}, as asked)"
     if _runs_on_a_cpu_with_bf16_units():
-        return "auto: tap matmuls for bf16 3x3 layers on <= 8x8 maps with >= 256 channels (measured faster on CPUs with bf16 units)"
+        return f"auto: tap matmuls for {RULE} (measured faster on CPUs with bf16 units)"
     return "auto: TensorFlow's kernel (a GPU/TPU is visible or the CPU has no bf16 units)"
 
 
@@ -112,10 +115,11 @@ class Conv2D(keras.layers.Conv2D):
     """Keras' Conv2D (same arguments, variables and config) with the tap-matmul weight gradient where
     `use_tap_matmul` for the input it is called on; channels-last, "same" padding, no dilation or groups."""
 
+    tap_matmul_weight_gradient = False  # set when traced: whether this layer took the tap matmuls
+
     def convolution_op(self, inputs, kernel):
         simple = (self.padding == "same" and self.data_format == "channels_last" and tuple(self.dilation_rate) == (1, 1)
                   and self.groups == 1)
-        # Recorded per layer when traced, so a run can say how many layers took the tap matmuls.
         self.tap_matmul_weight_gradient = simple and use_tap_matmul(inputs.shape, self.kernel_size, self.strides, inputs.dtype)
         if self.tap_matmul_weight_gradient:
             return conv2d_with_tap_matmul_weight_gradient(inputs, tf.convert_to_tensor(kernel))
