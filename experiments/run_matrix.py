@@ -65,7 +65,8 @@ def main() -> int:
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for row in rows:
-        cells = [f"{row[column]:.1f}" if column in ("wall_seconds", "pretrain_seconds") and column in row else row.get(column, "") for column in columns]
+        timed = ("wall_seconds", "pretrain_seconds")
+        cells = [f"{row[column]:.1f}" if column in timed and column in row else row.get(column, "") for column in columns]
         print("| " + " | ".join(f"{cell:.4f}" if isinstance(cell, float) else str(cell) for cell in cells) + " |")
     return 0
 

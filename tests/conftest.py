@@ -8,8 +8,10 @@ allocator keeps no statistics, so the memory tests could not measure.
 """
 
 import os
+import re
 import subprocess
 import sys
+import time
 
 from tfmp import tf_environment
 
@@ -62,3 +64,38 @@ def run_cli():
                               capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+# ------------------------------------------------------------------ helpers shared by test modules
+
+def checkpoint_steps(workdir):
+    """Steps of the checkpoints the run has registered (TF's `checkpoint` state file).
+
+    Not the files on disk: a kill between writing `ckpt-N.index` and updating the
+    state file leaves a checkpoint that resuming rightly does not know about."""
+    state = os.path.join(workdir, "checkpoints", "checkpoint")
+    if not os.path.exists(state):
+        return []
+    with open(state, encoding="utf-8") as file:
+        text = file.read()
+    return sorted(int(step) for step in re.findall(r'^all_model_checkpoint_paths: ".*?ckpt-(\d+)"$', text, re.M))
+
+
+def checkpoint_steps_on_disk(workdir):
+    """Steps of the complete checkpoints on disk (TF writes `ckpt-N.index` last, when merging a save).
+
+    These can be newer than the state file's: the kill may land between a save and the state update."""
+    directory = os.path.join(workdir, "checkpoints")
+    return sorted(int(match.group(1)) for name in os.listdir(directory) if (match := re.fullmatch(r"ckpt-(\d+)\.index", name)))
+
+
+def wait_for_checkpoint(process, workdir, at_least, timeout=300):
+    """Polls (does not guess a sleep) until a checkpoint of step >= at_least exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = checkpoint_steps(workdir)
+        if steps and steps[-1] >= at_least:
+            return steps[-1]
+        assert process.poll() is None, f"training ended early: {process.stderr.read()[-2000:]}"
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint of step >= {at_least} within {timeout}s")

@@ -22,7 +22,8 @@ def test_bench_prints_one_json_line_per_precision():
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     environment.pop("TF_ENABLE_ONEDNN_OPTS", None)
     result = subprocess.run([sys.executable, "-m", "tfmp.bench", "--model=small_cnn", "--batch=8", "--steps=2", "--repeats=2",
-                             "--warmup=1", "--precision=fp32,bf16", "--allow_emulated_bf16"], cwd=REPO, env=environment, capture_output=True, text=True,
+                             "--warmup=1", "--precision=fp32,bf16", "--allow_emulated_bf16"], cwd=REPO, env=environment,
+                            capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [json.loads(line) for line in result.stdout.strip().splitlines()]

@@ -41,7 +41,7 @@ def _train(workdir, epochs=EPOCHS):
     model = _model()
     run_callbacks = callbacks.default_callbacks(str(workdir), checkpoint_every_steps=EVERY)
     model.fit(images, labels, batch_size=256, epochs=epochs, verbose=0, callbacks=run_callbacks)
-    return model, next(c for c in run_callbacks if isinstance(c, callbacks.Checkpointing))
+    return model, run_callbacks.checkpointing
 
 
 def _overwrite(path, content: bytes):
@@ -91,7 +91,7 @@ def test_the_rerun_resumes_from_the_newest_complete_checkpoint(damage, garbage_s
     if garbage_state_file:
         assert os.path.exists(os.path.join(directory, "checkpoint.unreadable"))  # kept for inspection, then rebuilt
     # Training went on from the older checkpoint's weights, and saved new, readable checkpoints after it.
-    newest_now, _ = checkpointing.newest_readable()
+    newest_now = checkpointing.last_good_checkpoint
     assert callbacks.find_checkpoints(directory)[-1][1] == newest_now
     assert int(newest_now.rsplit("-", 1)[1]) > newest_step
     assert not all(np.array_equal(a, b) for a, b in zip(older_weights, model.get_weights()))
@@ -114,7 +114,7 @@ def test_a_restore_never_mixes_checkpoints(tmp_path):
     model = _model()
     checkpointing = callbacks.Checkpointing(directory)
     checkpointing.set_model(model)
-    checkpointing.restore(at_start=True)
+    assert checkpointing.restore_last_good()
     for restored, wanted in zip(model.get_weights(), expected):
         np.testing.assert_array_equal(restored, wanted)
 

@@ -97,7 +97,8 @@ USAGE_ERRORS = {
     "unknown flag": (["--learning_rat=0.1"], "Unknown command line flag 'learning_rat'"),
     "stray argument": (["oops"], "unexpected arguments oops"),
     "no workdir": (["--workdir="], "--workdir is required"),
-    "worker hosts without multi-worker": (["--worker_hosts=127.0.0.1:1,127.0.0.1:2"], "--worker_hosts needs --strategy=multi_worker_mirrored"),
+    "worker hosts without multi-worker": (["--worker_hosts=127.0.0.1:1,127.0.0.1:2"],
+                                          "--worker_hosts needs --strategy=multi_worker_mirrored"),
     "bad regex": (["--float32_layers=("], "float32_layers '(' is not a valid regular expression"),
     "explosion factor": (["--loss_explosion_factor=0.5"], "loss_explosion_factor must be 0 (off) or > 1, got 0.5"),
 }

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import precision
+from tfmp import keras_internals, precision
 from tfmp.models import conv
 
 
@@ -73,29 +73,26 @@ def test_the_rule_holds_only_where_the_tap_matmuls_measured_faster(shape, kernel
 @pytest.mark.parametrize("mode, bf16_units, expected", [
     ("auto", True, True), ("auto", False, False), ("tf", True, False), ("tap_matmul", False, True)])
 def test_auto_takes_the_tap_matmuls_only_on_a_cpu_with_bf16_units(monkeypatch, mode, bf16_units, expected):
-    monkeypatch.setattr(conv, "weight_gradient", mode)
     monkeypatch.setattr(conv.hardware, "cpu_has_bf16_units", lambda: bf16_units)
     conv._runs_on_a_cpu_with_bf16_units.cache_clear()
     try:
-        assert conv.use_tap_matmul((128, 4, 4, 512), (3, 3), (1, 1), tf.bfloat16) is expected
-        assert not conv.use_tap_matmul((128, 16, 16, 128), (3, 3), (1, 1), tf.bfloat16)  # outside the rule: never
+        assert conv.use_tap_matmul(mode, (128, 4, 4, 512), (3, 3), (1, 1), tf.bfloat16) is expected
+        assert not conv.use_tap_matmul(mode, (128, 16, 16, 128), (3, 3), (1, 1), tf.bfloat16)  # outside the rule: never
     finally:
         conv._runs_on_a_cpu_with_bf16_units.cache_clear()
 
 
-def test_an_unknown_mode_is_refused_with_the_valid_ones(monkeypatch):
-    monkeypatch.setattr(conv, "weight_gradient", "im2col")
-    with pytest.raises(ValueError, match="valid: auto, tf, tap_matmul"):
-        conv.use_tap_matmul((128, 4, 4, 512), (3, 3), (1, 1), tf.bfloat16)
+def test_an_unknown_mode_is_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown conv_weight_gradient 'im2col'; valid: auto, tf, tap_matmul"):
+        conv.Conv2D(16, 3, padding="same", conv_weight_gradient="im2col")
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_a_bf16_training_step_with_the_layer_takes_the_tap_path_and_compiles_under_xla(monkeypatch, jit_compile):
-    monkeypatch.setattr(conv, "weight_gradient", "tap_matmul")
+def test_a_bf16_training_step_with_the_layer_takes_the_tap_path_and_compiles_under_xla(jit_compile):
     precision.set_policy("mixed_bfloat16")
     try:
         keras.utils.set_random_seed(0)
-        layer = conv.Conv2D(16, 3, padding="same", use_bias=False)
+        layer = conv.Conv2D(16, 3, padding="same", use_bias=False, conv_weight_gradient="tap_matmul")
         model = keras.Sequential([keras.Input((4, 4, 256)), layer, keras.layers.GlobalAveragePooling2D(),
                                   keras.layers.Dense(1, dtype="float32")])
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
@@ -123,9 +120,9 @@ rng = np.random.default_rng(0)
 images, labels = rng.random((32, 8, 8, 64), dtype=np.float32), rng.integers(0, 10, 32)
 peaks = {}
 for mode in ("tf", "tap_matmul"):
-    conv.weight_gradient = mode
     keras.utils.set_random_seed(0)
-    layers = [keras.Input((8, 8, 64))] + [conv.Conv2D(256, 3, padding="same", use_bias=False) for _ in range(7)]
+    layers = [keras.Input((8, 8, 64))] + [conv.Conv2D(256, 3, padding="same", use_bias=False, conv_weight_gradient=mode)
+                                          for _ in range(7)]
     model = keras.Sequential(layers + [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10, dtype="float32")])
     peaks[mode] = memory.measure_step_peak(model, images, labels)
 print(json.dumps(peaks))
@@ -142,17 +139,39 @@ def test_the_tap_matmuls_keep_the_steps_peak_memory():
     assert peaks["tap_matmul"] <= 1.6 * peaks["tf"], peaks
 
 
-@pytest.mark.parametrize("mode", ["tf", "tap_matmul"])
-def test_a_run_sets_the_mode_it_was_given_and_logs_it_under_bf16(monkeypatch, caplog, mode):
-    """`--conv_weight_gradient` reaches the layers before any step is traced, and a bf16 run says which it took."""
-    from tfmp import training
-    from tfmp.config import Config
+def test_two_modes_in_one_process_each_get_their_own_and_a_saved_layer_keeps_it(tmp_path):
+    """The mode is each layer's own setting, not a module global: two encoders built one after the other in
+    one process train with the mode each was given, and a saved layer comes back with it."""
+    from tfmp import models
 
-    monkeypatch.setattr(conv, "weight_gradient", "auto")  # put back after the test
+    precision.set_policy("mixed_bfloat16")
     try:
-        with caplog.at_level("INFO", logger="tfmp"):
-            training.prepare(Config(precision="mixed_bfloat16", strategy="off", conv_weight_gradient=mode))
+        taken = {}
+        for mode in ("tap_matmul", "tf"):
+            encoder = models.build_encoder("resnet18_cifar", (8, 8, 3), conv_weight_gradient=mode)
+            model = models.build_classifier(encoder, 10)
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.fit(np.zeros((4, 8, 8, 3), np.float32), np.zeros(4, np.int32), epochs=1, verbose=0)
+            layers = [layer for layer in keras_internals.nested_layers(encoder) if isinstance(layer, conv.Conv2D)]
+            assert {layer.conv_weight_gradient for layer in layers} == {mode}
+            taken[mode] = sum(layer.tap_matmul_weight_gradient for layer in layers)
     finally:
         precision.set_policy("float32")
-    assert conv.weight_gradient == mode
+    assert taken["tf"] == 0 and taken["tap_matmul"] > 0  # stages 3 and 4 of ResNet-18 match the rule at 8x8 input
+    layer = conv.Conv2D(8, 3, padding="same", conv_weight_gradient="tf")
+    assert conv.Conv2D.from_config(layer.get_config()).conv_weight_gradient == "tf"
+
+
+@pytest.mark.parametrize("mode", ["tf", "tap_matmul"])
+def test_a_run_decides_the_mode_once_and_logs_it_under_bf16(caplog, mode):
+    """`--conv_weight_gradient` is the run's decision (`Runtime`), logged once in a bf16 run."""
+    from tfmp import runtime
+    from tfmp.config import Config
+
+    try:
+        with caplog.at_level("INFO", logger="tfmp"):
+            decided = runtime.prepare(Config(precision="mixed_bfloat16", strategy="off", conv_weight_gradient=mode))
+    finally:
+        precision.set_policy("float32")
+    assert decided.conv_weight_gradient == mode and decided.precision == "mixed_bfloat16"
     assert f"conv weight gradient: {mode} (" in caplog.text

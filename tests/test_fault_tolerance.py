@@ -11,7 +11,7 @@ import time
 import keras
 import pytest
 
-from conftest import AUTO_PRECISION, REPO
+from conftest import AUTO_PRECISION, REPO, checkpoint_steps, checkpoint_steps_on_disk, wait_for_checkpoint
 
 ARGS = ["--flagfile=experiments/digits_supervised.cfg", "--epochs=10", "--checkpoint_every_steps=5", f"--precision={AUTO_PRECISION}",
         "--strategy=off"]
@@ -26,39 +26,6 @@ def _start(workdir):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def _checkpoint_steps(workdir):
-    """Steps of the checkpoints the run has registered (TF's `checkpoint` state file).
-
-    Not the files on disk: a kill between writing `ckpt-N.index` and updating the
-    state file leaves a checkpoint that resuming rightly does not know about."""
-    state = os.path.join(workdir, "checkpoints", "checkpoint")
-    if not os.path.exists(state):
-        return []
-    with open(state, encoding="utf-8") as file:
-        text = file.read()
-    return sorted(int(step) for step in re.findall(r'^all_model_checkpoint_paths: ".*?ckpt-(\d+)"$', text, re.M))
-
-
-def _checkpoint_steps_on_disk(workdir):
-    """Steps of the complete checkpoints on disk (TF writes `ckpt-N.index` last, when merging a save).
-
-    These can be newer than the state file's: the kill may land between a save and the state update."""
-    directory = os.path.join(workdir, "checkpoints")
-    return sorted(int(match.group(1)) for name in os.listdir(directory) if (match := re.fullmatch(r"ckpt-(\d+)\.index", name)))
-
-
-def _wait_for_checkpoint(process, workdir, at_least, timeout=300):
-    """Polls (does not guess a sleep) until a checkpoint of step >= at_least exists."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        steps = _checkpoint_steps(workdir)
-        if steps and steps[-1] >= at_least:
-            return steps[-1]
-        assert process.poll() is None, f"training ended early: {process.stderr.read()[-2000:]}"
-        time.sleep(0.1)
-    raise AssertionError(f"no checkpoint of step >= {at_least} within {timeout}s")
-
-
 def _rerun(run_cli, workdir):
     result = run_cli(*ARGS, f"--workdir={workdir}")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -69,7 +36,7 @@ def _rerun(run_cli, workdir):
 def _killed_after_checkpoint(workdir, at_least):
     """Starts a run and kills it (SIGKILL) once a checkpoint of step >= at_least is registered."""
     process = _start(workdir)
-    _wait_for_checkpoint(process, workdir, at_least=at_least)
+    wait_for_checkpoint(process, workdir, at_least=at_least)
     process.kill()
     process.wait(timeout=60)
 
@@ -77,7 +44,7 @@ def _killed_after_checkpoint(workdir, at_least):
 def test_kill_9_then_rerun_resumes(run_cli, tmp_path):
     workdir = str(tmp_path / "run")
     process = _start(workdir)
-    reached = _wait_for_checkpoint(process, workdir, at_least=15)
+    reached = wait_for_checkpoint(process, workdir, at_least=15)
     process.kill()
     process.wait(timeout=60)
     assert not os.path.exists(os.path.join(workdir, "metrics.json"))
@@ -99,7 +66,7 @@ def test_a_stop_signal_saves_the_current_step_and_the_rerun_resumes_from_it(run_
     """SIGINT's callback path is in the default suite in-process (Ctrl-C tests below)."""
     workdir = str(tmp_path / "run")
     process = _start(workdir)
-    _wait_for_checkpoint(process, workdir, at_least=10)
+    wait_for_checkpoint(process, workdir, at_least=10)
     sent = time.monotonic()
     process.send_signal(stop)
     code = process.wait(timeout=60)
@@ -108,7 +75,7 @@ def test_a_stop_signal_saves_the_current_step_and_the_rerun_resumes_from_it(run_
     assert code == STOPS[stop][0], stderr[-2000:]
     last = stderr.strip().splitlines()[-1]
     step = int(re.search(STOPS[stop][1] + r" at step (\d+): checkpoint saved; rerun the same command to resume", last).group(1))
-    assert _checkpoint_steps(workdir)[-1] == step
+    assert checkpoint_steps(workdir)[-1] == step
 
     metrics, _ = _rerun(run_cli, workdir)
     assert metrics["resumed_from_step"] == step
@@ -118,7 +85,7 @@ def test_a_stop_signal_saves_the_current_step_and_the_rerun_resumes_from_it(run_
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(run_cli, tmp_path):
     workdir = str(tmp_path / "run")
     _killed_after_checkpoint(workdir, at_least=20)
-    steps = _checkpoint_steps(workdir)  # the state file stays intact here: resuming reads its list
+    steps = checkpoint_steps(workdir)  # the state file stays intact here: resuming reads its list
     newest = os.path.join(workdir, "checkpoints", f"ckpt-{steps[-1]}.data-00000-of-00001")
     with open(newest, "r+b") as file:
         file.truncate(os.path.getsize(newest) // 2)
@@ -136,7 +103,7 @@ def test_garbage_over_the_newest_files_and_the_state_file_falls_back(run_cli, tm
     _killed_after_checkpoint(workdir, at_least=20)
     # With the state file garbled, resuming rebuilds the list from the index files on disk, which
     # may hold one save newer than the state file (killed between the two writes): count from disk.
-    steps = _checkpoint_steps_on_disk(workdir)
+    steps = checkpoint_steps_on_disk(workdir)
     directory = os.path.join(workdir, "checkpoints")
     for name in (f"ckpt-{steps[-1]}.index", f"ckpt-{steps[-1]}.data-00000-of-00001", "checkpoint"):
         path = os.path.join(directory, name)
@@ -224,7 +191,7 @@ def test_ctrl_c_checkpoints_the_step_and_fit_resumes_from_it(tmp_path, python_ct
 
     run_callbacks = callbacks.default_callbacks(str(tmp_path))
     _classifier().fit(images, labels, batch_size=128, epochs=3, verbose=0, callbacks=run_callbacks)
-    assert next(c for c in run_callbacks if isinstance(c, callbacks.Checkpointing)).restored_step == 7
+    assert run_callbacks.checkpointing.restored_step == 7
 
 
 def test_a_second_ctrl_c_interrupts_at_once(tmp_path, python_ctrl_c):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from test_fault_tolerance import _checkpoint_steps_on_disk
+from conftest import checkpoint_steps_on_disk
 
 from tfmp import callbacks, distribute, models, optimizers, precision
 from tfmp.config import Config
@@ -28,7 +28,7 @@ def test_absurd_learning_rate_stops_with_a_diagnosis_and_leaves_a_good_checkpoin
     model.compile(optimizer=optimizers.make_optimizer(Config(optimizer="sgd", learning_rate=1e8, epochs=3), 11), loss="mse")
     checkpointing = callbacks.Checkpointing(str(workdir / "checkpoints"))
     checkpointing.set_model(model)
-    checkpointing.restore()
+    assert checkpointing.restore_last_good()
     assert checkpointing.restored_step > 0
     assert all(np.isfinite(weight).all() for weight in model.get_weights())
 
@@ -38,7 +38,7 @@ def _overflowing_fp16_model(min_scale):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, kernel_initializer="ones"),
                               keras.layers.Dense(1, dtype="float32", kernel_initializer="ones")])
     # Scaled by 2**15, these gradients overflow float16 (max 65504) on every step.
-    model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(1e-6), initial_scale=2.0**15, min_scale=min_scale),
+    model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(1e-6), initial_loss_scale=2.0**15, min_scale=min_scale),
                   loss="mse")
     return model
 
@@ -50,7 +50,7 @@ def test_persistent_fp16_overflow_keeps_the_floor_skips_every_step_and_is_diagno
     before = [w.copy() for w in model.get_weights()]
     guard_callbacks = callbacks.default_callbacks(str(tmp_path), max_skipped_steps=5)
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=guard_callbacks)
-    guard = next(c for c in guard_callbacks if isinstance(c, callbacks.NaNGuard))
+    guard = guard_callbacks.guard
 
     assert precision.current_loss_scale(model.optimizer) == 2.0**14  # halved once, then held at the floor
     assert precision.skipped_steps(model.optimizer) >= 6
@@ -82,7 +82,7 @@ def test_without_a_floor_the_scale_recovers_and_training_proceeds(tmp_path):
     x, y = np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32)
     guard_callbacks = callbacks.default_callbacks(str(tmp_path), max_skipped_steps=50)
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=guard_callbacks)
-    guard = next(c for c in guard_callbacks if isinstance(c, callbacks.NaNGuard))
+    guard = guard_callbacks.guard
     assert guard.diagnosis is None
     assert precision.current_loss_scale(model.optimizer) < 2.0**15
     assert precision.skipped_steps(model.optimizer) < 24  # some steps were applied
@@ -148,20 +148,24 @@ def test_augmentation_streams_differ_across_replicas_only_when_seeded_by_replica
     assert not distribute.augmentation_streams_differ(strategy, same_everywhere, images)
 
 
-def test_non_finite_weights_after_the_last_save_still_fail_the_run(tmp_path):
-    """The guard runs before Checkpointing: a save refused at the very end is caught at train end."""
+@pytest.mark.parametrize("guard_first", [True, False])
+def test_non_finite_weights_at_the_last_save_fail_the_run_whatever_the_callback_order(tmp_path, guard_first):
+    """The guard is the checkpoints' save gate: a vetoed save at the very end writes nothing and fails the run."""
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     checkpointing = callbacks.Checkpointing(str(tmp_path / "checkpoints"))
     guard = callbacks.NaNGuard(checkpointing)
-    for callback in (checkpointing, guard):
+    order = (guard, checkpointing) if guard_first else (checkpointing, guard)
+    for callback in order:
         callback.set_model(model)
+        callback.set_params({"epochs": 1})
     model.layers[0].kernel.assign(np.full((2, 1), np.inf, np.float32))
-    checkpointing.on_epoch_end(0)  # refuses to save the non-finite state
-    assert checkpointing.take_nonfinite_state_step() == 0
-    checkpointing.on_epoch_end(0)
-    guard.on_train_end()
-    assert guard.diagnosis is not None and "non-finite weights at the end of training" in guard.diagnosis
+    for callback in order:
+        callback.on_epoch_end(0)
+    for callback in order:
+        callback.on_train_end()
+    assert guard.diagnosis is not None and "non-finite weights" in guard.diagnosis
+    assert callbacks.find_checkpoints(str(tmp_path / "checkpoints")) == []
 
 
 def _linear_regression_that_diverges_in_epoch(diverging_epoch, tmp_path, loss_explosion_factor):
@@ -176,7 +180,7 @@ def _linear_regression_that_diverges_in_epoch(diverging_epoch, tmp_path, loss_ex
     guard_callbacks = callbacks.default_callbacks(str(tmp_path), loss_explosion_factor=loss_explosion_factor)
     history = model.fit(x, y, batch_size=8, epochs=diverging_epoch + 3, shuffle=False, verbose=0,
                         callbacks=[schedule, *guard_callbacks])
-    guard = next(c for c in guard_callbacks if isinstance(c, callbacks.NaNGuard))
+    guard = guard_callbacks.guard
     return model, guard, history
 
 
@@ -206,9 +210,9 @@ def test_callbacks_count_steps_with_steps_per_execution(tmp_path):
     throughput = callbacks.Throughput(8)
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[throughput, *run_callbacks])
     # Multiples of 3 passed by the executions ending at steps 4 (3), 8 (6), 12 (9), 16 (15); 8 and 16 end epochs too.
-    assert _checkpoint_steps_on_disk(tmp_path) == [4, 8, 12, 16]
+    assert checkpoint_steps_on_disk(tmp_path) == [4, 8, 12, 16]
     assert throughput.epoch_steps == [8, 8]
-    assert next(c for c in run_callbacks if isinstance(c, callbacks.Checkpointing)).step == 16
+    assert run_callbacks.checkpointing.step == 16
 
 
 def test_a_skip_streak_counts_every_step_of_an_execution(tmp_path):
@@ -217,6 +221,6 @@ def test_a_skip_streak_counts_every_step_of_an_execution(tmp_path):
     x, y = np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32)
     guard_callbacks = callbacks.default_callbacks(str(tmp_path), max_skipped_steps=5)
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=guard_callbacks)
-    guard = next(c for c in guard_callbacks if isinstance(c, callbacks.NaNGuard))
+    guard = guard_callbacks.guard
     # Counted per call, the streak would have reached 6 only after 24 steps.
     assert guard.diagnosis and "(step 8: 8 fp16 steps skipped in a row)" in guard.diagnosis, guard.diagnosis

@@ -24,17 +24,89 @@ def test_the_installed_keras_is_a_checked_release_or_warns_once(caplog, monkeypa
     assert len(messages) == 1 and "Keras 9.1.0 is not a release" in messages[0]
 
 
-def test_no_other_tfmp_module_reaches_into_keras_internals():
-    """Private Keras / TF names are read in keras_internals.py only (upstream.py and precision.py
-    override the hooks it lists, by name, and that is all)."""
+# ------------------------------------------------------------------ the fence sees everything
+
+PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.core")
+
+
+def _keras_private_names() -> set[str]:
+    """Private attribute names of the Keras and TensorFlow objects tfmp's code holds or subclasses."""
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(2, 3), keras.layers.BatchNormalization(),
+                              keras.layers.Flatten(), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    optimizer.build(model.trainable_variables)
+    model.compile(optimizer=optimizer, loss="mse")
+    objects = [model, *model.layers, optimizer, optimizer.inner_optimizer, keras.optimizers.AdamW(), keras.callbacks.Callback(),
+               keras.callbacks.TensorBoard(), keras.metrics.Mean(), tf.distribute.get_strategy(), tf.Variable(1.0), tf.train.Checkpoint()]
+    return {name for thing in objects for kind in (thing, type(thing)) for name in dir(kind)
+            if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))}
+
+
+def _tfmp_own_private_names(trees) -> set[str]:
+    """Private names tfmp defines itself: functions, classes, attributes it assigns, module globals."""
+    import ast
+
+    own = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+    return {name for name in own if name.startswith("_")}
+
+
+def private_accesses(sources: dict[str, str]) -> list[str]:
+    """Where the given modules (name -> source) touch a private Keras / TensorFlow name: an attribute
+    `._name` that tfmp does not define itself, or that Keras or TF also uses (an override or a
+    read of their state), `__internal__`, or an import from Keras' or TF's private packages."""
+    import ast
+
+    trees = {name: ast.parse(source) for name, source in sources.items()}
+    keras_private = _keras_private_names()
+    own = _tfmp_own_private_names(trees.values()) - keras_private
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            where = f"{name}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+                dunder = node.attr.startswith("__") and node.attr.endswith("__")
+                if (node.attr == "__internal__") or (not dunder and node.attr not in own):
+                    found.append(f"{where} .{node.attr}")
+            elif isinstance(node, ast.FunctionDef) and node.name in keras_private:
+                found.append(f"{where} def {node.name} (overrides a private Keras/TF method)")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PRIVATE_MODULES):
+                found.append(f"{where} from {node.module}")
+            elif isinstance(node, ast.Import):
+                found += [f"{where} import {alias.name}" for alias in node.names if alias.name.startswith(PRIVATE_MODULES)]
+    return found
+
+
+def _tfmp_sources() -> dict[str, str]:
     import pathlib
-    import re
 
     import tfmp
 
-    private_access = re.compile(r"\._initial_epoch|\._flatten_layers|keras\.src|__internal__|\._collective_all_reduce|\._maybe_symbolic_build\(")
-    offenders = []
-    for path in pathlib.Path(tfmp.__file__).parent.rglob("*.py"):
-        if path.name != "keras_internals.py":
-            offenders += [f"{path.name}: {match}" for match in private_access.findall(path.read_text(encoding="utf-8"))]
-    assert offenders == []
+    root = pathlib.Path(tfmp.__file__).parent
+    return {str(path.relative_to(root)): path.read_text(encoding="utf-8") for path in sorted(root.rglob("*.py"))
+            if path.name != "keras_internals.py"}
+
+
+def test_no_tfmp_module_but_keras_internals_touches_a_private_keras_or_tensorflow_name():
+    assert private_accesses(_tfmp_sources()) == []
+
+
+def test_the_fence_finds_a_planted_private_access():
+    planted = dict(_tfmp_sources())
+    planted["planted.py"] = "def f(keras_model):\n    return keras_model._something\n"
+    assert private_accesses(planted) == ["planted.py:2 ._something"]
+    overriding = dict(_tfmp_sources())
+    overriding["planted.py"] = ("import keras\n\nclass Mine(keras.optimizers.SGD):\n"
+                                "    def _get_variable_index(self, variable):\n        return 0\n")
+    assert private_accesses(overriding) == ["planted.py:4 def _get_variable_index (overrides a private Keras/TF method)"]
+    importing = {"planted.py": "from keras.src.backend.tensorflow import trainer\n"}
+    assert private_accesses(importing) == ["planted.py:1 from keras.src.backend.tensorflow"]

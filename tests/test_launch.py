@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from test_fault_tolerance import _checkpoint_steps, _wait_for_checkpoint
+from conftest import checkpoint_steps, wait_for_checkpoint
 
 from conftest import AUTO_PRECISION, REPO
 from tfmp import launch
@@ -83,7 +83,7 @@ def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path):
     command = [sys.executable, "-m", "tfmp.launch", "--num_workers=2", *DIGITS, "--checkpoint_every_steps=5", f"--workdir={workdir}"]
     launcher = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
-    reached = _wait_for_checkpoint(launcher, workdir, at_least=10)
+    reached = wait_for_checkpoint(launcher, workdir, at_least=10)
     os.kill(_worker_pid(workdir, 1), signal.SIGKILL)
     assert launcher.wait(timeout=120) != 0  # the launcher stops the chief instead of hanging
     assert not os.path.exists(os.path.join(workdir, "metrics.json"))
@@ -91,4 +91,4 @@ def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path):
     result = _launch("--num_workers=2", *DIGITS, "--checkpoint_every_steps=5", f"--workdir={workdir}")
     assert result.returncode == 0, result.stdout[-3000:]
     assert _metrics(workdir)["resumed_from_step"] >= reached > 0
-    assert _checkpoint_steps(workdir)[-1] >= 6 * (1437 // 128)
+    assert checkpoint_steps(workdir)[-1] >= 6 * (1437 // 128)

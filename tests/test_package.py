@@ -84,3 +84,18 @@ def test_no_import_cycles_between_the_rooms():
     assert not cycles, f"import cycles through {cycles}"
     assert not any(name.startswith(("tfmp.tasks", "tfmp.training")) for module in graph if module.startswith("tfmp.ssl")
                    for name in graph[module])
+
+
+def test_no_line_of_the_project_is_longer_than_its_limit():
+    """setup.cfg's max-line-length (140), over every Python file tracked in the repository."""
+    import configparser
+
+    settings = configparser.ConfigParser()
+    settings.read(os.path.join(REPO, "setup.cfg"))
+    limit = settings.getint("flake8", "max-line-length")
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    long_lines = []
+    for path in tracked:
+        with open(os.path.join(REPO, path), encoding="utf-8") as file:
+            long_lines += [f"{path}:{number}" for number, line in enumerate(file, 1) if len(line.rstrip("\n")) > limit]
+    assert tracked and long_lines == []

@@ -118,7 +118,7 @@ def _apply(optimizer, model, value):
 
 
 def test_fp16_step_with_non_finite_gradients_is_skipped_and_weights_unchanged():
-    model, optimizer = _fp16_model_and_optimizer(initial_scale=1024.0, hysteresis=1)
+    model, optimizer = _fp16_model_and_optimizer(initial_loss_scale=1024.0, hysteresis=1)
     before = [v.numpy().copy() for v in model.trainable_variables]
     _apply(optimizer, model, np.inf)
     for old, variable in zip(before, model.trainable_variables):
@@ -130,7 +130,7 @@ def test_fp16_step_with_non_finite_gradients_is_skipped_and_weights_unchanged():
 
 
 def test_dynamic_scale_never_drops_below_min_scale():
-    model, optimizer = _fp16_model_and_optimizer(initial_scale=8.0, min_scale=2.0, hysteresis=1)
+    model, optimizer = _fp16_model_and_optimizer(initial_loss_scale=8.0, min_scale=2.0, hysteresis=1)
     before = [v.numpy().copy() for v in model.trainable_variables]
     for _ in range(10):
         _apply(optimizer, model, np.nan)
@@ -141,7 +141,7 @@ def test_dynamic_scale_never_drops_below_min_scale():
 
 
 def test_hysteresis_delays_halving_until_consecutive_overflows():
-    model, optimizer = _fp16_model_and_optimizer(initial_scale=64.0, hysteresis=3)
+    model, optimizer = _fp16_model_and_optimizer(initial_loss_scale=64.0, hysteresis=3)
     _apply(optimizer, model, np.inf)
     _apply(optimizer, model, np.inf)
     _apply(optimizer, model, 0.0)  # a finite step resets the streak
@@ -153,7 +153,7 @@ def test_hysteresis_delays_halving_until_consecutive_overflows():
 
 
 def test_dynamic_scale_grows_after_growth_steps():
-    model, optimizer = _fp16_model_and_optimizer(initial_scale=4.0, growth_steps=3)
+    model, optimizer = _fp16_model_and_optimizer(initial_loss_scale=4.0, loss_scale_growth_steps=3)
     for _ in range(3):
         _apply(optimizer, model, 0.0)
     assert precision.current_loss_scale(optimizer) == 8.0
@@ -183,7 +183,7 @@ def test_usage_error_is_a_value_error():
 def test_fp16_model_with_its_loss_scale_optimizer_round_trips_through_a_keras_file_in_safe_mode(tmp_path):
     precision.set_policy("mixed_float16")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1, dtype="float32")])
-    model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1), initial_scale=1024.0, min_scale=4.0, hysteresis=3),
+    model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1), initial_loss_scale=1024.0, min_scale=4.0, hysteresis=3),
                   loss="mse")
     x = np.random.default_rng(0).random((32, 4), dtype=np.float32)
     model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)

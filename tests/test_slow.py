@@ -9,7 +9,8 @@ import pytest
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("preset", ["digits_byol", "digits_vicreg", "digits_barlow_twins", "digits_mocov3"])
-@pytest.mark.parametrize("strategy", [["--strategy=off"], ["--strategy=mirrored", "--num_cpu_devices=2"]], ids=["one_device", "two_replicas"])
+@pytest.mark.parametrize("strategy", [["--strategy=off"], ["--strategy=mirrored", "--num_cpu_devices=2"]],
+                         ids=["one_device", "two_replicas"])
 def test_each_ssl_method_preset_beats_the_supervised_baseline(run_cli, tmp_path, preset, strategy):
     """Issue 12's claim: on digits with 30 labels, each new method's linear probe beats the same CNN
     trained from scratch on the same labels (mean of 5 draws), in float32, on one device and on 2 replicas."""

@@ -148,15 +148,25 @@ def test_simclr_run_is_reproducible_from_its_seed():
     assert loss_c != pytest.approx(loss_a, rel=1e-4)
 
 
-def test_simclr_under_fp16_scales_the_loss_and_stays_finite():
+def test_simclr_under_fp16_scales_the_loss_and_skips_a_planted_overflow():
     precision.set_policy("mixed_float16")
     model = _simclr(tf.distribute.get_strategy())
-    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    optimizer = model.optimizer
+    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     digits = data.load("digits")
     history = model.fit(data.classification_pipeline(digits.train, 64, training=True, indices=np.arange(256)), epochs=2, verbose=0)
-    assert all(np.isfinite(history.history["loss"]))
-    assert precision.current_loss_scale(model.optimizer) >= 1.0
-    assert "probe_accuracy" in history.history
+    assert all(np.isfinite(history.history["loss"])) and "probe_accuracy" in history.history
+
+    # A scale no fp16 gradient survives: both steps are skipped on every weight, the second halves it (hysteresis 2).
+    optimizer.dynamic_scale.assign(2.0**40)
+    images, labels = digits.train.dataset(np.arange(64)).batch(64).get_single_element()
+    before, skipped = [weight.numpy() for weight in model.trainable_weights], precision.skipped_steps(optimizer)
+    model.train_on_batch(images, labels)
+    assert precision.skipped_steps(optimizer) == skipped + 1 and precision.current_loss_scale(optimizer) == 2.0**40
+    model.train_on_batch(images, labels)
+    assert precision.skipped_steps(optimizer) == skipped + 2 and precision.current_loss_scale(optimizer) == 2.0**39
+    for old, new in zip(before, model.trainable_weights):
+        np.testing.assert_array_equal(old, new.numpy())
 
 
 def test_simclr_on_two_replicas_trains():
@@ -164,8 +174,10 @@ def test_simclr_on_two_replicas_trains():
     model = _simclr(strategy)
     digits = data.load("digits")
     history = model.fit(data.classification_pipeline(digits.train, 64, training=True, indices=np.arange(256)), epochs=2, verbose=0)
-    assert np.isfinite(history.history["loss"]).all()
-    assert history.history["loss"][-1] < np.log(2 * 64 - 1) + 0.5  # below chance level after a few steps, roughly
+    chance = np.log(2 * 64 - 1)  # NT-Xent when every one of the 127 other views is as likely as the positive
+    # Measured 3.82-3.95 after 2 epochs (seeds 0-2), with contrastive accuracy 0.18-0.21 (chance: 1/127).
+    assert history.history["loss"][-1] < chance - 0.5 and history.history["loss"][-1] < history.history["loss"][0]
+    assert history.history["contrastive_accuracy"][-1] > 0.1
 
 
 # ------------------------------------------------------------------------------ LARS

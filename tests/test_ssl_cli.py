@@ -42,9 +42,13 @@ def _metrics(workdir):
 def test_simclr_writes_the_ssl_metrics(pretrained):
     metrics = _metrics(pretrained)
     assert (metrics["task"], metrics["strategy"], metrics["num_replicas"]) == ("simclr", "mirrored", 2)
-    for key in ("linear_probe_accuracy", "knn_accuracy", "supervised_baseline_accuracy"):
-        assert 0.0 <= metrics[key] <= 1.0
-    assert metrics["linear_probe_accuracy"] > 0.3  # far above chance (0.1) even after 2 epochs
+    # The probe and kNN far above chance (0.1) after 2 epochs, in every label draw; the baseline, trained for only
+    # 2 epochs here, measured at chance (0.097-0.117): the probe beats it in every draw.
+    for key in ("linear_probe_accuracy", "knn_accuracy"):
+        assert min(metrics[f"{key}_per_draw"]) > 0.2, (key, metrics[f"{key}_per_draw"])
+    assert metrics["linear_probe_accuracy"] > 0.3
+    for probe, baseline in zip(metrics["linear_probe_accuracy_per_draw"], metrics["supervised_baseline_accuracy_per_draw"]):
+        assert probe > baseline + 0.1
     assert metrics["steps"] == 2 * (1437 // 128)
     assert metrics["labeled_examples"] == _labeled_count() and metrics["unlabeled_examples"] == 1437
     assert len(metrics["linear_probe_accuracy_per_draw"]) == 5  # the preset's --label_draws

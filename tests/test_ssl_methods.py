@@ -18,15 +18,16 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from tfmp import data, distribute, models, precision, ssl, training
+from tfmp import data, distribute, models, precision, registry, ssl, training
 from tfmp.config import Config, validate
 from tfmp.data import augment
 from tfmp.ssl import guard, probes
 from tfmp.ssl.losses import barlow_twins_loss, byol_loss, info_nce, vicreg_loss
 from tfmp.ssl.momentum import momentum_at
+from tfmp.runtime import Runtime
 from tfmp.tasks import pretrain
 
-METHODS = tuple(ssl.METHODS)
+METHODS = registry.SSL_METHODS.names()
 SYNCHRONIZED = models.NormSettings(synchronized=True)
 
 # ---------------------------------------------------------------------------- losses against NumPy
@@ -104,8 +105,8 @@ def _method(name, strategy, seed=0, **kwargs):
     keras.utils.set_random_seed(seed)
     with strategy.scope():
         encoder = models.build_encoder("small_cnn", (8, 8, 1), SYNCHRONIZED)
-        options = {"total_steps": 20} if issubclass(ssl.METHODS[name], ssl.MomentumTwoViewModel) else {}
-        model = ssl.METHODS[name](encoder, projection_dim=16, norm=SYNCHRONIZED, seed=seed, num_classes=10,
+        options = {"total_steps": 20} if issubclass(registry.SSL_METHODS.load(name), ssl.MomentumTwoViewModel) else {}
+        model = registry.SSL_METHODS.load(name)(encoder, projection_dim=16, norm=SYNCHRONIZED, seed=seed, num_classes=10,
                                   augment_config=augment.AugmentConfig(crop_scale=(0.5, 1.0), flip=False), **options, **kwargs)
         model.build((None, 8, 8, 1))
     return model
@@ -164,7 +165,7 @@ def test_the_ema_target_after_n_steps_is_the_closed_form(replicas):
     """Online weights held fixed (learning rate 0), target started at 0: after N steps it is
     (1 - prod_k m_k) * online, m_k the cosine schedule — on every replica's copy."""
     strategy = distribute.get_strategy("mirrored") if replicas == 2 else tf.distribute.get_strategy()
-    model = _method("byol", strategy, base_momentum=0.9)
+    model = _method("byol", strategy, target_momentum=0.9)
     with strategy.scope():
         model.compile(optimizer=keras.optimizers.SGD(0.0))
     for variable in model.target_weights():
@@ -222,7 +223,7 @@ def _checkpointed_target(path, config):
     """The target network's values in checkpoint `path`, read with TF's own Checkpoint API into a fresh model."""
     assert any("target_encoder" in key for key, _ in tf.train.list_variables(path))
     assert any("target_projector" in key for key, _ in tf.train.list_variables(path))
-    fresh = pretrain.build_method(config, data.load("digits"), tf.distribute.get_strategy(), total_steps=88)
+    fresh = pretrain.build_method(config, data.load("digits"), Runtime.for_strategy(tf.distribute.get_strategy()), total_steps=88)
     initial = [weight.numpy().copy() for weight in fresh.target_weights()]
     tf.train.Checkpoint(model=fresh).read(path).expect_partial()
     return initial, [weight.numpy() for weight in fresh.target_weights()]
@@ -282,7 +283,7 @@ def test_every_method_writes_an_encoder_linear_eval_serves(name, tmp_path):
     assert metrics["method"] == name and np.isfinite(metrics["train_loss"])
     evaluation = training.run(Config(task="linear_eval", encoder=str(tmp_path / "pretrain" / "encoder.keras"), **common),
                               str(tmp_path / "eval"))
-    assert 0.0 < evaluation["linear_probe_accuracy"] <= 1.0
+    assert evaluation["linear_probe_accuracy"] > 0.2  # chance is 0.1 on digits' 10 classes
     assert evaluation["knn_accuracy"] == pytest.approx(metrics["knn_accuracy"])  # the same encoder, the same labels
 
 

@@ -6,6 +6,7 @@ import tensorflow as tf
 from tfmp import compilation, data, distribute, precision
 from tfmp.config import Config
 from tfmp.run_directory import RunDirectory
+from tfmp.runtime import Runtime
 from tfmp.tasks import supervised
 
 
@@ -17,7 +18,7 @@ def test_one_step_epochs_are_grouped_without_changing_the_optimisation(tmp_path,
     labeled = data.balanced_subset(digits.train.labels, 0.02, 0)
     config = Config(task="supervised", model="small_cnn", global_batch_size=128, epochs=12, warmup_epochs=1, precision="float32",
                     checkpoint_every_steps=0)
-    strategy = tf.distribute.get_strategy()
+    strategy = Runtime.for_strategy(tf.distribute.get_strategy())
 
     def train(name):
         distribute.set_seed(0)
@@ -39,7 +40,7 @@ def test_draws_sharing_one_compiled_classifier_train_as_models_of_their_own(tmp_
     precision.set_policy("float32")
     digits = data.load("digits", seed=0)
     config = Config(task="supervised", model="small_cnn", global_batch_size=128, epochs=6, warmup_epochs=1, precision="float32")
-    strategy = tf.distribute.get_strategy()
+    strategy = Runtime.for_strategy(tf.distribute.get_strategy())
     compiled = compilation.CompiledOnce()
 
     def train(draw, name, shared):

@@ -87,7 +87,7 @@ def test_models_built_lazily_train_checkpoint_and_resume(make_model, replicas, t
         resumed = make_model()
     run_callbacks = callbacks.default_callbacks(str(tmp_path))
     history = resumed.fit(images, labels, batch_size=128, epochs=3, verbose=0, callbacks=run_callbacks)
-    checkpointing = next(c for c in run_callbacks if isinstance(c, callbacks.Checkpointing))
+    checkpointing = run_callbacks.checkpointing
     assert checkpointing.restored_step == 2 * steps_per_epoch
     # On one device Keras builds such a model inside the first step, so the restore overwrites
     # that step's update (tfmp.callbacks.checkpointing); on 2 replicas Keras builds it before fit.
@@ -145,7 +145,7 @@ def test_the_guard_fires_on_a_custom_loss_at_the_step_it_goes_inf(policy, tmp_pa
                   probe_optimizer=precision.wrap_optimizer(keras.optimizers.Adam(1e-3)))
     run_callbacks = callbacks.default_callbacks(str(tmp_path), checkpoint_every_steps=5, nan_retries=1)
     model.fit(images, labels, batch_size=128, epochs=2, verbose=0, callbacks=run_callbacks)
-    guard = next(c for c in run_callbacks if isinstance(c, callbacks.NaNGuard))
+    guard = run_callbacks.guard
     # Restored to step 5 once, met the same inf at step 7 again, then stopped.
     assert guard.events == ["step 7: c_loss inf", "step 7: c_loss inf"]
     assert model.stop_training

@@ -88,12 +88,12 @@ def test_supervised_classifier_with_batchnorm_compiles_on_one_device():
 # The SimCLR step under XLA is also compiled in-process above; its bench run (16 s) is in `-m slow`.
 @pytest.mark.parametrize("method", [pytest.param("simclr", marks=pytest.mark.slow), "supervised"])
 def test_bench_runs_the_step_with_xla(method):
-    result = subprocess.run([sys.executable, "-m", "tfmp.bench", "--model=small_cnn", f"--method={method}", "--xla", "--batch=8",
+    result = subprocess.run([sys.executable, "-m", "tfmp.bench", "--model=small_cnn", f"--method={method}", "--jit_compile", "--batch=8",
                              "--steps=1", "--repeats=1", "--warmup=1", "--precision=fp32"], cwd=REPO, capture_output=True, text=True,
                             timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert result.returncode == 0, result.stderr[-3000:]
     line = json.loads(result.stdout)
-    assert line["xla"] is True and line["method"] == method and line["images_per_second"] > 0
+    assert line["jit_compile"] is True and line["method"] == method and line["images_per_second"] > 0
 
 
 @pytest.mark.slow  # 24 s: the default suite compiles each of these steps in-process

@@ -5,15 +5,17 @@ Where things live:
     tfmp.hardware    what the machine has: CPU flags, bf16 units, GPUs, TPUs
     tfmp.compilation XLA: `--jit_compile=auto|true|false` and what it compiles per strategy
     tfmp.distribute  tf.distribute strategies by name, CPU splitting, seeds
-    tfmp.data        dataset registry and input pipelines
+    tfmp.data        dataset sources and input pipelines
     tfmp.models      encoders and classifiers
     tfmp.optimizers  optimizers and learning-rate schedules
     tfmp.callbacks   checkpoints/resume, telemetry, TensorBoard
-    tfmp.config      the config schema and its flags
+    tfmp.config      the config schema, each setting's check, and its flags
+    tfmp.registry    plug-ins by name: tasks, SSL methods, encoders, dataset sources
+    tfmp.runtime     a run's decisions made once: strategy, policy, XLA, chief, conv weight gradient
     tfmp.tf_environment  what TensorFlow reads when it loads, and its start-up lines kept off the terminal
     tfmp.logs        how tfmp's messages look, in the CLI and in library use
-    tfmp.ssl         SSL methods (SimCLR, BYOL, VICReg, Barlow Twins, MoCo v3), their losses, probes, small-data guard
-    tfmp.tasks       the tasks of `--task=NAME` (registry), and what their training stages share
+    tfmp.ssl         SSL methods on one two-view base, their losses, probes, the small-data guard
+    tfmp.tasks       the tasks of `--task=NAME`, and what their training stages share
     tfmp.training    `run(config, workdir)`, used by the CLI `python -m tfmp.train`
     tfmp.run_directory  every path and file name of a run (config.json, checkpoints/, encoder.keras, ...)
     tfmp.diagnostics precision doctor, memory estimate
@@ -29,8 +31,9 @@ from tfmp import logs as _logs
 __version__ = "0.1.0"
 _logs.install_library_default()  # tfmp's choices are seen once even where nobody configured logging
 
-_SUBMODULES = ("bench", "callbacks", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware", "keras_internals", "launch", "logs", "models",
-               "optimizers", "precision", "report", "run_directory", "ssl", "tasks", "tf_environment", "train", "training", "upstream")
+_SUBMODULES = ("bench", "callbacks", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware", "keras_internals",
+               "launch", "logs", "models", "optimizers", "precision", "registry", "report", "run_directory", "runtime", "ssl", "tasks",
+               "tf_environment", "train", "training", "upstream")
 
 
 def __getattr__(name):

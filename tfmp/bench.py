@@ -67,30 +67,32 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
     from tfmp.diagnostics import memory
     from tfmp.data.augment import AugmentConfig
     from tfmp.data.pipeline import in_memory_options
-    from tfmp.ssl.simclr import SimCLR
-
     from tfmp.models import conv
+    from tfmp.runtime import Runtime
+    from tfmp.ssl.simclr import SimCLR
 
     policy = precision.set_policy(precision_name)
     # Plain Keras' network has Keras' Conv2D, i.e. TensorFlow's weight gradient everywhere.
-    conv.weight_gradient = "tf" if args.keras_batchnorm else args.conv_weight_gradient
+    runtime = Runtime.for_strategy(tf.distribute.get_strategy(), jit_compile=args.jit_compile,
+                                   conv_weight_gradient="tf" if args.keras_batchnorm else args.conv_weight_gradient)
     batch = args.batch
     keras.utils.set_random_seed(args.seed)
     shape = (args.image_size, args.image_size, 3)
     # --keras_batchnorm: the same network as plain Keras builds it (Keras' own BatchNormalization),
     # the baseline tfmp's own changes are measured against.
-    encoder = models.build_encoder(args.model, shape, models.NormSettings(fused=not args.keras_batchnorm), remat=remat)
+    encoder = models.build_encoder(args.model, shape, models.NormSettings(fused=not args.keras_batchnorm), remat=remat,
+                                   conv_weight_gradient=runtime.conv_weight_gradient)
     if args.method == "simclr":
         model = SimCLR(encoder, projection_dim=128, temperature=0.5, augment_config=AugmentConfig(blur_probability=0.0))
         model.build((None, *shape))
         # The PyTorch peer's optimizer: SGD with momentum and weight decay.
         model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)),
-                      jit_compile=args.xla)
+                      jit_compile=runtime.jit_compile)
         views = 2
     else:
         model = models.build_classifier(encoder, 10)
         model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=args.xla)
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=runtime.keras_jit_compile)
         views = 1
     rng = np.random.default_rng(args.seed)
     images = rng.random((batch, *shape), dtype=np.float32)
@@ -121,10 +123,10 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         "method": args.method,
         "precision": policy,
         "remat": remat,
-        "conv_weight_gradient": conv.weight_gradient,
+        "conv_weight_gradient": runtime.conv_weight_gradient,
         "tap_matmul_layers": sum(isinstance(layer, conv.Conv2D) and layer.tap_matmul_weight_gradient
                                  for layer in keras_internals.nested_layers(encoder)),
-        "xla": args.xla,
+        "jit_compile": runtime.jit_compile,
         "threads": {"intra_op": args.intra_op_threads, "inter_op": args.inter_op_threads},
         "batch": batch,
         "steps": args.steps,
@@ -158,7 +160,7 @@ def parse(argv):
                         help="auto: tap matmuls where measured faster, on CPUs with bf16 units (what tfmp trains with); "
                              "tf: TensorFlow's kernel everywhere; tap_matmul: tap matmuls wherever the rule holds "
                              "(tfmp.models.conv)")
-    parser.add_argument("--xla", action="store_true", help="compile the train step with XLA (jit_compile=True)")
+    parser.add_argument("--jit_compile", action="store_true", help="compile the train step with XLA")
     parser.add_argument("--intra_op_threads", type=int, default=0, help="TF intra-op threads (0: TF's default)")
     parser.add_argument("--inter_op_threads", type=int, default=0, help="TF inter-op threads (0: TF's default)")
     parser.add_argument("--remat", default="none", help="comma-separated activation checkpointing modes: none, blocks, full")
@@ -172,7 +174,7 @@ def parse(argv):
 
 def main(argv: list[str]) -> int:
     args = parse(argv[1:])
-    from tfmp import config
+    from tfmp import config, registry
 
     try:
         precisions = [config.canonical_precision(name) for name in args.precision.split(",")]
@@ -180,8 +182,8 @@ def main(argv: list[str]) -> int:
         for remat in remats:
             if remat not in config.REMAT_MODES:
                 raise config.UsageError(f"unknown remat mode {remat!r}; valid: {', '.join(config.REMAT_MODES)}")
-        if args.model not in config.MODELS:
-            raise config.UsageError(f"unknown model {args.model!r}; valid: {', '.join(config.MODELS)}")
+        if args.model not in registry.ENCODERS:
+            raise config.UsageError(f"unknown model {args.model!r}; valid: {', '.join(registry.ENCODERS.names())}")
         for name in ("batch", "steps", "repeats"):
             if getattr(args, name) < 1:
                 raise config.UsageError(f"{name} must be a positive integer, got {getattr(args, name)}")

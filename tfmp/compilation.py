@@ -28,7 +28,7 @@ all-gather) that `merge_call` cannot enter from inside XLA. So:
 |---|---|
 | one replica | the whole training step (Keras' `jit_compile=True`) |
 | TPUStrategy | each replica's whole step, collectives included (TPUStrategy does it; Keras is told False) |
-| several mirrored replicas | each replica's augmentations (SimCLR's views, the op-heavy part free of collectives); the rest runs as TF graphs |
+| several mirrored replicas | each replica's augmentations (the views: op-heavy, free of collectives); the rest TF graphs |
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The one config schema of a tfmp run: valid names, defaults, validation, absl flags.
+"""The one config schema of a tfmp run: defaults, the check of every setting, absl flags.
 
 This module imports no TensorFlow, so the CLI can refuse bad input (one line, exit
-code 2) before TensorFlow starts and prints its own start-up lines. For that reason
-the vocabularies of valid names live here, and the modules that implement them
-(`precision`, `distribute`, `data`, `models`) import them from here.
+code 2) before TensorFlow starts and prints its own start-up lines. Plug-in names
+(tasks, SSL methods, encoders, dataset sources) are checked against `tfmp.registry`,
+also TensorFlow-free; the other vocabularies live here.
 
 Defaults live in `Config` and nowhere else: `define_flags()` turns each field into an
 absl flag with the same name, default and help, so a flagfile (`--flagfile=...`)
@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 import re
 
 from absl import flags
 
-SSL_METHODS = ("simclr", "byol", "vicreg", "barlow_twins", "mocov3")  # tfmp.ssl.METHODS builds them
-TASKS = ("supervised", *SSL_METHODS, "linear_eval", "finetune")  # tfmp.tasks.TASKS runs them
+from tfmp import registry as tfmp_registry
+
 
 
 class Precision(str, enum.Enum):
@@ -59,17 +60,15 @@ PRECISION_ALIASES = {"fp32": "float32", "fp16": "mixed_float16", "bf16": "mixed_
 PRECISION_NAMES = PRECISIONS + tuple(PRECISION_ALIASES) + ("auto",)
 JIT_COMPILE_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "off", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
-DATASETS = ("digits", "folder:PATH", "tfds:NAME", "synthetic")
-MODELS = ("small_cnn", "resnet18_cifar", "resnet50")
 OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
 REMAT_MODES = ("none", "blocks", "full")
-CONV_WEIGHT_GRADIENTS = ("auto", "tf", "tap_matmul")  # tfmp.models.conv.weight_gradient
+CONV_WEIGHT_GRADIENTS = ("auto", "tf", "tap_matmul")
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
 CHANGEABLE_ON_RESUME = ("verbose", "data_dir", "tpu", "dry_run", "jit_compile", "conv_weight_gradient", "steps_per_execution",
-                        "worker_hosts", "task_index", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "nan_retries", "max_skipped_steps",
-                        "loss_explosion_factor", "replica_check_every_steps")
+                        "worker_hosts", "task_index", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints",
+                        "nan_retries", "max_skipped_steps", "loss_explosion_factor", "replica_check_every_steps")
 
 
 class UsageError(ValueError):
@@ -85,92 +84,163 @@ def canonical_precision(name: str) -> str:
     return Precision.parse(name).value
 
 
-def _field(default, help_text: str):
-    return dataclasses.field(default=default, metadata={"help": help_text})
+# ------------------------------------------------------------------ per-setting checks
+# Each returns what is wrong with a value (the rest of the one-line error), or None.
+
+def one_of(*choices):
+    return lambda name, value: None if value in choices else f"unknown {name} {value!r}; valid: {', '.join(choices)}"
+
+
+def registered(registry: tfmp_registry.Registry):
+    def check(name, value):
+        return None if value in registry else f"unknown {name} {value!r}; valid: {', '.join(registry.spellings())}"
+    return check
+
+
+def positive_integer(name, value):
+    return None if value >= 1 else f"{name} must be a positive integer, got {value}"
+
+
+def at_least_zero(name, value):
+    return None if value >= 0 else f"{name} must be >= 0, got {value}"
+
+
+def above_zero(name, value):
+    return None if value > 0 else f"{name} must be > 0, got {value}"
+
+
+def fraction(name, value):
+    return None if 0 < value <= 1 else f"{name} must be in (0, 1], got {value}"
+
+
+def probability(name, value):
+    return None if 0 <= value <= 1 else f"{name} must be in [0, 1], got {value}"
+
+
+def momentum(name, value):
+    return None if 0 <= value < 1 else f"{name} must be in [0, 1), got {value}"
+
+
+def off_or_above_one(name, value):
+    return None if value == 0 or value > 1 else f"{name} must be 0 (off) or > 1, got {value}"
+
+
+def regular_expression(name, value):
+    try:
+        re.compile(value)
+    except re.error as error:
+        return f"{name} {value!r} is not a valid regular expression: {error}"
+    return None
+
+
+def loss_scale_value(name, value):
+    try:
+        if value == "dynamic" or float(value) > 0:
+            return None
+    except ValueError:
+        pass
+    return f"{name} must be 'dynamic' or a positive number, got {value!r}"
+
+
+def _field(default, help_text: str, check=None):
+    return dataclasses.field(default=default, metadata={"help": help_text, "check": check})
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything that defines a run. Field names are also the CLI flag names."""
+    """Everything that defines a run. Field names are also the CLI flag names, and each field
+    carries its own check (`validate` applies them all)."""
 
-    task: str = _field("supervised", f"What to run: {', '.join(TASKS)}.")
-    dataset: str = _field("digits", f"Data set: {', '.join(DATASETS)}.")
+    task: str = _field("supervised", f"What to run: {', '.join(tfmp_registry.TASKS.names())}, or an SSL method "
+                                     f"({', '.join(tfmp_registry.SSL_METHODS.names())}): pretraining, probes, baseline.")
+    dataset: str = _field("digits", f"Data set: {', '.join(tfmp_registry.DATASET_SOURCES.spellings())}.")
     data_dir: str = _field("", "tensorflow-datasets data directory (tfds:NAME only).")
     unlabeled_split: str = _field("", "tfds split of extra unlabeled images to pretrain on (e.g. 'unlabelled' for tfds:stl10).")
     skip_unreadable_images: bool = _field(False, "folder: datasets: train without image files that do not decode "
                                            "(default: name them and exit 2).")
     encoder: str = _field("", "Pretrained encoder (.keras) for --task=linear_eval and --task=finetune.")
-    model: str = _field("small_cnn", f"Encoder: {', '.join(MODELS)}.")
-    image_size: int = _field(0, "Resize images to this side length; 0 keeps the data set's own size.")
+    model: str = _field("small_cnn", f"Encoder: {', '.join(tfmp_registry.ENCODERS.names())}.",
+                        registered(tfmp_registry.ENCODERS))
+    image_size: int = _field(0, "Resize images to this side length; 0 keeps the data set's own size.", at_least_zero)
     precision: str = _field("auto", f"Precision: {', '.join(PRECISION_NAMES)}.")
     jit_compile: str = _field("auto", f"Compile training steps with XLA: {', '.join(JIT_COMPILE_CHOICES)} (auto: on TPUs, and on "
-                                      "a single GPU as Keras does; off on CPUs, where XLA measured slower).")
+                                      "a single GPU as Keras does; off on CPUs, where XLA measured slower).",
+                              one_of(*JIT_COMPILE_CHOICES))
     steps_per_execution: int = _field(0, "Training steps per compiled call (Keras' steps_per_execution): the largest divisor of "
                                          "an epoch's steps up to N (0: up to 64 and up to --checkpoint_every_steps; 1: one step a "
-                                         "call). Callbacks then see one batch end per call.")
-    strategy: str = _field("auto", f"Distribution strategy: {', '.join(STRATEGIES)}.")
-    num_cpu_devices: int = _field(0, "Split the CPU into this many logical devices (0: leave it whole).")
+                                         "call). Callbacks then see one batch end per call.", at_least_zero)
+    strategy: str = _field("auto", f"Distribution strategy: {', '.join(STRATEGIES)}.", one_of(*STRATEGIES))
+    num_cpu_devices: int = _field(0, "Split the CPU into this many logical devices (0: leave it whole).", at_least_zero)
     tpu: str = _field("", "TPU for --strategy=tpu: 'local' on a TPU VM, empty on Colab, else a name or grpc:// address.")
     worker_hosts: str = _field("", "multi_worker_mirrored: host:port of every worker, comma-separated (else TF_CONFIG is read).")
     task_index: int = _field(0, "multi_worker_mirrored: this worker's index in --worker_hosts (0 is the chief).")
-    global_batch_size: int = _field(128, "Examples per step, summed over all replicas.")
-    epochs: int = _field(15, "Training epochs.")
-    learning_rate: float = _field(3e-3, "Base learning rate (peak after warmup, then cosine decay; see --learning_rate_scaling).")
+    global_batch_size: int = _field(128, "Examples per step, summed over all replicas.", positive_integer)
+    epochs: int = _field(15, "Training epochs.", positive_integer)
+    learning_rate: float = _field(3e-3, "Base learning rate (peak after warmup, then cosine decay; see --learning_rate_scaling).",
+                                  above_zero)
     learning_rate_scaling: str = _field("none", f"Scale the learning rate with the global batch B: {', '.join(LEARNING_RATE_SCALINGS)} "
-                                                "(linear: x B/256, sqrt: x sqrt(B)).")
-    warmup_epochs: float = _field(1.0, "Linear learning-rate warmup, in epochs.")
-    optimizer: str = _field("adamw", f"Optimizer: {', '.join(OPTIMIZERS)}.")
-    weight_decay: float = _field(1e-4, "Decoupled weight decay.")
+                                                "(linear: x B/256, sqrt: x sqrt(B)).", one_of(*LEARNING_RATE_SCALINGS))
+    warmup_epochs: float = _field(1.0, "Linear learning-rate warmup, in epochs.", at_least_zero)
+    optimizer: str = _field("adamw", f"Optimizer: {', '.join(OPTIMIZERS)}.", one_of(*OPTIMIZERS))
+    weight_decay: float = _field(1e-4, "Decoupled weight decay.", at_least_zero)
     remat: str = _field("none", f"Activation checkpointing: {', '.join(REMAT_MODES)} (blocks: recompute each residual "
-                                "block in the backward pass; full: also each stage around its blocks).")
+                                "block in the backward pass; full: also each stage around its blocks).", one_of(*REMAT_MODES))
     conv_weight_gradient: str = _field("auto", f"Convolution weight gradient: {', '.join(CONV_WEIGHT_GRADIENTS)} (auto: one bf16 "
                                                "matmul per kernel tap where measured faster, on CPUs with bf16 units; tf: "
-                                               "TensorFlow's kernel everywhere; tap_matmul: the matmuls wherever the shape rule holds).")
-    bn_momentum: float = _field(0.9, "BatchNorm momentum (0.9 suits small data sets; Keras' default is 0.99).")
-    float32_layers: str = _field("", "Regular expression: layers whose names match stay float32 under a mixed policy.")
-    loss_scale: str = _field("dynamic", "mixed_float16 loss scale: 'dynamic' or a fixed number.")
-    initial_loss_scale: float = _field(2.0**15, "Starting dynamic loss scale (mixed_float16).")
-    loss_scale_growth_steps: int = _field(2000, "Finite steps before the dynamic loss scale doubles.")
+                                               "TensorFlow's kernel everywhere; tap_matmul: the matmuls wherever the shape rule holds).",
+                                       one_of(*CONV_WEIGHT_GRADIENTS))
+    bn_momentum: float = _field(0.9, "BatchNorm momentum (0.9 suits small data sets; Keras' default is 0.99).", momentum)
+    float32_layers: str = _field("", "Regular expression: layers whose names match stay float32 under a mixed policy.",
+                                 regular_expression)
+    loss_scale: str = _field("dynamic", "mixed_float16 loss scale: 'dynamic' or a fixed number.", loss_scale_value)
+    initial_loss_scale: float = _field(2.0**15, "Starting dynamic loss scale (mixed_float16).", above_zero)
+    loss_scale_growth_steps: int = _field(2000, "Finite steps before the dynamic loss scale doubles.", positive_integer)
     seed: int = _field(0, "Seed for initialisation, shuffling and augmentation.")
-    # Self-supervised pretraining (--task=simclr, byol, vicreg, barlow_twins, mocov3) and its evaluation.
-    pretrain_examples: int = _field(0, "Pretrain on a seeded sample of this many images (0: all; for data-size sweeps).")
-    temperature: float = _field(0.2, "Softmax temperature of simclr (NT-Xent) and mocov3 (InfoNCE).")
-    projection_dim: int = _field(128, "Output size of the projection head (and of the byol/mocov3 predictor).")
-    projection_hidden_dim: int = _field(0, "Hidden size of the projection head and predictor (0: the encoder's feature size).")
-    target_momentum: float = _field(0.99, "byol, mocov3: momentum of the EMA target at step 0 (rises to 1 on a cosine).")
-    invariance_weight: float = _field(25.0, "vicreg: weight of the invariance (MSE) term.")
-    variance_weight: float = _field(25.0, "vicreg: weight of the variance (hinge on standard deviation) term.")
-    covariance_weight: float = _field(1.0, "vicreg: weight of the covariance term.")
-    redundancy_weight: float = _field(0.0051, "barlow_twins: weight of the off-diagonal cross-correlation terms.")
+    # Self-supervised pretraining (--task=<an SSL method>) and its evaluation.
+    pretrain_examples: int = _field(0, "Pretrain on a seeded sample of this many images (0: all; for data-size sweeps).", at_least_zero)
+    temperature: float = _field(0.2, "Softmax temperature of simclr (NT-Xent) and mocov3 (InfoNCE).", above_zero)
+    projection_dim: int = _field(128, "Output size of the projection head (and of the byol/mocov3 predictor).", positive_integer)
+    projection_hidden_dim: int = _field(0, "Hidden size of the projection head and predictor (0: the encoder's feature size).",
+                                        at_least_zero)
+    target_momentum: float = _field(0.99, "byol, mocov3: momentum of the EMA target at step 0 (rises to 1 on a cosine).", probability)
+    invariance_weight: float = _field(25.0, "vicreg: weight of the invariance (MSE) term.", at_least_zero)
+    variance_weight: float = _field(25.0, "vicreg: weight of the variance (hinge on standard deviation) term.", at_least_zero)
+    covariance_weight: float = _field(1.0, "vicreg: weight of the covariance term.", at_least_zero)
+    redundancy_weight: float = _field(0.0051, "barlow_twins: weight of the off-diagonal cross-correlation terms.", at_least_zero)
     stop_on_plateau: bool = _field(False, "Stop pretraining when the kNN monitor plateaus (the small-data guard).")
-    crop_min_scale: float = _field(0.08, "Smallest area fraction of the random resized crop.")
+    crop_min_scale: float = _field(0.08, "Smallest area fraction of the random resized crop.", fraction)
     flip: bool = _field(True, "Random horizontal flips (turn off for digits and text).")
-    color_jitter: float = _field(0.5, "Colour jitter strength (0: off).")
-    blur_probability: float = _field(0.5, "Probability of Gaussian blur (images of 16px and more).")
-    noise_stddev: float = _field(0.0, "Additive Gaussian pixel noise (0: off).")
-    label_fraction: float = _field(1.0, "Fraction of the train labels the probes, fine-tuning and baseline may use (class balanced).")
-    label_draws: int = _field(1, "Repeat the probes and the baseline on this many seeded label subsets; report the mean.")
-    probe_epochs: int = _field(200, "Epochs of the linear probe on frozen features.")
-    probe_learning_rate: float = _field(0.01, "Learning rate of the linear probe.")
-    knn_every_epochs: int = _field(10, "Measure kNN accuracy every N pretraining epochs.")
+    color_jitter: float = _field(0.5, "Colour jitter strength (0: off).", at_least_zero)
+    blur_probability: float = _field(0.5, "Probability of Gaussian blur (images of 16px and more).", probability)
+    noise_stddev: float = _field(0.0, "Additive Gaussian pixel noise (0: off).", at_least_zero)
+    label_fraction: float = _field(1.0, "Fraction of the train labels the probes, fine-tuning and baseline may use (class balanced).",
+                                   fraction)
+    label_draws: int = _field(1, "Repeat the probes and the baseline on this many seeded label subsets; report the mean.",
+                              positive_integer)
+    probe_epochs: int = _field(200, "Epochs of the linear probe on frozen features.", positive_integer)
+    probe_learning_rate: float = _field(0.01, "Learning rate of the linear probe.", above_zero)
+    knn_every_epochs: int = _field(10, "Measure kNN accuracy every N pretraining epochs.", positive_integer)
     compare_supervised: bool = _field(False, "After pretraining, also train the encoder from scratch on the labeled subset.")
-    baseline_epochs: int = _field(200, "Epochs of the supervised baseline over the labeled subset.")
-    baseline_learning_rate: float = _field(3e-3, "AdamW learning rate of the supervised baseline.")
+    baseline_epochs: int = _field(200, "Epochs of the supervised baseline over the labeled subset.", positive_integer)
+    baseline_learning_rate: float = _field(3e-3, "AdamW learning rate of the supervised baseline.", above_zero)
     dry_run: bool = _field(False, "Build model and input pipeline, write WORKDIR/memory_estimate.json, and train nothing.")
     smoke: bool = _field(False, "Smoke variant of the preset: the whole pipeline on a few steps per phase (first contact, CI; "
                                 "about 20 s on 2 cores for the digits presets).")
     verbose: bool = _field(False, "Show TensorFlow's start-up lines, other libraries' INFO logs and the inner stages' epochs "
                                   "(probe, baseline).")
-    keep_checkpoints: int = _field(3, "How many checkpoints to keep under WORKDIR/checkpoints.")
-    checkpoint_every_steps: int = _field(0, "Also checkpoint every N optimizer steps (0: at epoch ends only).")
+    keep_checkpoints: int = _field(3, "How many checkpoints to keep under WORKDIR/checkpoints.", positive_integer)
+    checkpoint_every_steps: int = _field(0, "Also checkpoint every N optimizer steps (0: at epoch ends only).", at_least_zero)
     checkpoint_every_seconds: float = _field(10.0, "At epoch ends, checkpoint once N seconds have passed since the last checkpoint "
                                              "(0: every epoch end). The first and last epoch, --checkpoint_every_steps, SIGTERM and "
-                                             "Ctrl-C always checkpoint; multi_worker_mirrored runs checkpoint every epoch end.")
-    nan_retries: int = _field(2, "On a non-finite loss, restore the last good checkpoint this many times before failing.")
-    max_skipped_steps: int = _field(20, "fp16 steps skipped in a row (loss-scale overflow) that count as a failure.")
+                                             "Ctrl-C always checkpoint; multi_worker_mirrored runs checkpoint every epoch end.",
+                                             at_least_zero)
+    nan_retries: int = _field(2, "On a non-finite loss, restore the last good checkpoint this many times before failing.",
+                              at_least_zero)
+    max_skipped_steps: int = _field(20, "fp16 steps skipped in a row (loss-scale overflow) that count as a failure.", at_least_zero)
     loss_explosion_factor: float = _field(1000.0, "A finite training loss this many times the best finished epoch's counts as "
-                                          "divergence, like a non-finite one (0: off).")
-    replica_check_every_steps: int = _field(100, "Check that all replicas hold identical variables every N steps (0: epoch ends only).")
+                                          "divergence, like a non-finite one (0: off).", off_or_above_one)
+    replica_check_every_steps: int = _field(100, "Check that all replicas hold identical variables every N steps "
+                                                 "(0: epoch ends only).", at_least_zero)
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -184,70 +254,40 @@ class Config:
         return [f"{key}: {theirs[key]!r} -> {mine[key]!r}" for key in mine if key not in CHANGEABLE_ON_RESUME and mine[key] != theirs[key]]
 
 
-def _choice(name: str, value: str, choices) -> None:
-    if value not in choices:
-        raise UsageError(f"unknown {name} {value!r}; valid: {', '.join(choices)}")
+def _check_fields(config: Config) -> None:
+    for field in dataclasses.fields(Config):
+        value = getattr(config, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{field.name} must be a finite number, got {value}")
+        check = field.metadata["check"]
+        problem = check(field.name, value) if check else None
+        if problem:
+            raise UsageError(problem)
 
 
-def validate(config: Config) -> Config:
-    """Checks a config without touching TensorFlow devices or the disk; returns it with
-    the precision name made canonical.
-
-    Raises:
-        UsageError: naming the bad value and the valid choices.
-    """
-    _choice("task", config.task, TASKS)
-    _choice("strategy", config.strategy, STRATEGIES)
-    _choice("model", config.model, MODELS)
-    _choice("optimizer", config.optimizer, OPTIMIZERS)
-    _choice("learning_rate_scaling", config.learning_rate_scaling, LEARNING_RATE_SCALINGS)
-    _choice("remat", config.remat, REMAT_MODES)
-    _choice("conv_weight_gradient", config.conv_weight_gradient, CONV_WEIGHT_GRADIENTS)
-    _choice("jit_compile", config.jit_compile, JIT_COMPILE_CHOICES)
-    precision = canonical_precision(config.precision)
-    dataset = config.dataset
-    if dataset.startswith("folder:"):
-        if not os.path.isdir(dataset[len("folder:"):]):
-            raise UsageError(f"dataset {dataset}: no such directory")
-    elif dataset not in ("digits", "synthetic") and not (dataset.startswith("tfds:") and len(dataset) > 5):
-        raise UsageError(f"unknown dataset {dataset!r}; valid: {', '.join(DATASETS)}")
-    positive = {"global_batch_size": config.global_batch_size, "epochs": config.epochs, "keep_checkpoints": config.keep_checkpoints,
-                "loss_scale_growth_steps": config.loss_scale_growth_steps, "projection_dim": config.projection_dim,
-                "probe_epochs": config.probe_epochs, "knn_every_epochs": config.knn_every_epochs,
-                "baseline_epochs": config.baseline_epochs, "label_draws": config.label_draws}
-    for name, value in positive.items():
-        if value < 1:
-            raise UsageError(f"{name} must be a positive integer, got {value}")
-    for name, value in {"image_size": config.image_size, "num_cpu_devices": config.num_cpu_devices, "warmup_epochs": config.warmup_epochs,
-                        "weight_decay": config.weight_decay, "color_jitter": config.color_jitter,
-                        "noise_stddev": config.noise_stddev, "checkpoint_every_seconds": config.checkpoint_every_seconds}.items():
-        if value < 0:
-            raise UsageError(f"{name} must be >= 0, got {value}")
-    for name in ("checkpoint_every_steps", "nan_retries", "max_skipped_steps", "replica_check_every_steps", "steps_per_execution"):
-        if getattr(config, name) < 0:
-            raise UsageError(f"{name} must be >= 0, got {getattr(config, name)}")
-    if config.loss_explosion_factor != 0 and config.loss_explosion_factor <= 1:
-        raise UsageError(f"loss_explosion_factor must be 0 (off) or > 1, got {config.loss_explosion_factor}")
-    for name, value in {"learning_rate": config.learning_rate, "temperature": config.temperature,
-                        "probe_learning_rate": config.probe_learning_rate, "baseline_learning_rate": config.baseline_learning_rate}.items():
-        if value <= 0:
-            raise UsageError(f"{name} must be > 0, got {value}")
-    for name, value in {"label_fraction": config.label_fraction, "crop_min_scale": config.crop_min_scale}.items():
-        if not 0 < value <= 1:
-            raise UsageError(f"{name} must be in (0, 1], got {value}")
-    if not 0 <= config.blur_probability <= 1:
-        raise UsageError(f"blur_probability must be in [0, 1], got {config.blur_probability}")
+def _check_task_and_dataset(config: Config) -> None:
+    try:
+        tfmp_registry.task_entry(config.task)
+        source, argument = tfmp_registry.dataset_source(config.dataset)
+    except tfmp_registry.UnknownName as error:
+        raise UsageError(str(error)) from None
+    if source.name == "folder" and not os.path.isdir(argument):
+        raise UsageError(f"dataset {config.dataset}: no such directory")
+    defaults = Config()
+    for name in ("unlabeled_split", "skip_unreadable_images"):  # data_dir is a location, harmless elsewhere
+        if getattr(config, name) != getattr(defaults, name) and name not in source.settings:
+            readers = [entry.spelling for entry in map(tfmp_registry.DATASET_SOURCES.entry, tfmp_registry.DATASET_SOURCES.names())
+                       if name in entry.settings]
+            raise UsageError(f"--{name} applies to {' and '.join(readers)} data sets only, not {config.dataset}")
     if config.task in ("linear_eval", "finetune"):
         if not config.encoder:
             raise UsageError(f"--task={config.task} needs --encoder=PATH (an encoder.keras written by --task="
-                             f"{'|'.join(SSL_METHODS)})")
+                             f"{'|'.join(tfmp_registry.SSL_METHODS.names())})")
         if not os.path.isfile(config.encoder):
             raise UsageError(f"encoder {config.encoder}: no such file")
-    if config.float32_layers:
-        try:
-            re.compile(config.float32_layers)
-        except re.error as error:
-            raise UsageError(f"float32_layers {config.float32_layers!r} is not a valid regular expression: {error}") from None
+
+
+def _check_workers(config: Config) -> None:
     if config.worker_hosts:
         hosts = config.worker_hosts.split(",")
         if config.strategy != "multi_worker_mirrored":
@@ -256,27 +296,24 @@ def validate(config: Config) -> Config:
             raise UsageError(f"--worker_hosts must be host:port,host:port,..., got {config.worker_hosts!r}")
         if not 0 <= config.task_index < len(hosts):
             raise UsageError(f"--task_index must be in [0, {len(hosts) - 1}] for {len(hosts)} worker hosts, got {config.task_index}")
-    if config.unlabeled_split and not config.dataset.startswith("tfds:"):
-        raise UsageError(f"--unlabeled_split applies to tfds:NAME data sets only, not {config.dataset}")
-    if not 0 <= config.target_momentum <= 1:
-        raise UsageError(f"target_momentum must be in [0, 1], got {config.target_momentum}")
-    for name in ("pretrain_examples", "projection_hidden_dim", "invariance_weight", "variance_weight", "covariance_weight",
-                 "redundancy_weight"):
-        if getattr(config, name) < 0:
-            raise UsageError(f"{name} must be >= 0, got {getattr(config, name)}")
-    if not 0 <= config.bn_momentum < 1:
-        raise UsageError(f"bn_momentum must be in [0, 1), got {config.bn_momentum}")
-    if config.loss_scale != "dynamic":
-        try:
-            if float(config.loss_scale) <= 0:
-                raise ValueError
-        except ValueError:
-            raise UsageError(f"loss_scale must be 'dynamic' or a positive number, got {config.loss_scale!r}") from None
     if config.num_cpu_devices and config.global_batch_size % config.num_cpu_devices:
         raise UsageError(
             f"global_batch_size {config.global_batch_size} is not divisible by num_cpu_devices {config.num_cpu_devices}; "
             f"use a multiple of {config.num_cpu_devices}"
         )
+
+
+def validate(config: Config) -> Config:
+    """Checks a config without touching TensorFlow devices or the disk; returns it with
+    the precision name made canonical (and capped to `SMOKE_LIMITS` with `--smoke`).
+
+    Raises:
+        UsageError: naming the bad value and the valid choices.
+    """
+    precision = canonical_precision(config.precision)
+    _check_fields(config)
+    _check_task_and_dataset(config)
+    _check_workers(config)
     config = config.replace(precision=precision)
     return smoke_variant(config) if config.smoke else config
 

@@ -77,14 +77,19 @@ def main(argv: list[str]) -> int:
 
     logs.configure(verbose=config.verbose)
     tf_environment.load_tensorflow(verbose=config.verbose)  # its start-up lines kept off the terminal
+    import tensorflow as tf
+
     from tfmp import data as tfmp_data, models, precision
     from tfmp.diagnostics import precision_report
+    from tfmp.runtime import Runtime
+    from tfmp.tasks.stage import build_encoder
 
     try:
-        data = tfmp_data.load(config.dataset, data_dir=config.data_dir or None, image_size=config.image_size, seed=config.seed)
-        precision.set_policy("float32")
-        model = models.build_classifier(models.build_encoder(config.model, data.image_shape,
-                                                             models.NormSettings(momentum=config.bn_momentum)), data.num_classes)
+        data = tfmp_data.load_for(config)
+        precision.set_policy("float32")  # measured in float32: what each low precision would do to these values
+        runtime = Runtime.for_strategy(tf.distribute.get_strategy(), jit_compile="false",
+                                       conv_weight_gradient=config.conv_weight_gradient)
+        model = models.build_classifier(build_encoder(config, runtime, data.image_shape), data.num_classes)
     except ValueError as error:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         return 2

@@ -3,18 +3,31 @@
 tfmp builds on Keras' public API wherever one exists. Where it does not, the private
 name is used here and nowhere else, so an upgrade has one file to re-check:
 
-| hook | used by | why there is no public way |
-|---|---|---|
-| `Model._initial_epoch` | `Checkpointing` (resume) | the hook Keras' own `BackupAndRestore` sets |
-| `Layer._flatten_layers` | `--float32_layers`, the precision doctor, FLOP counting | nested layers of any depth, Functional or subclassed |
-| `LossScaleOptimizer._tf_apply`, `_stateful_handle_finite_grads`, `_stateful_handle_non_finite_grads`, `_overwrite_variable_with_gradient` | `tfmp.precision.LossScaleOptimizer` | floor, hysteresis, skip count, and the all-replica overflow decision (`tfmp/upstream.py`) are overrides of these |
-| `keras.src.backend.tensorflow.trainer` (`TensorFlowTrainer._maybe_symbolic_build`, `reduce_per_replica`, `_collective_all_reduce_multi_worker`) | `tfmp/upstream.py` | the two multi-worker `fit()` fixes patch them |
-| `tf.__internal__.distribute.strategy_supports_no_merge_call` | `tfmp/upstream.py` | which cross-replica path an optimizer step takes |
-| `tf.__internal__.distribute.interim.maybe_merge_call` | `tfmp/ssl/momentum.py` (EMA target update) | the cross-replica update path Keras' optimizers take, with and without merge calls |
+hook — who uses it — why there is no public way:
+
+* `Model._initial_epoch` — `Checkpointing` (resume) — the hook Keras' own `BackupAndRestore` sets.
+* `Layer._flatten_layers` — `--float32_layers`, the precision doctor, FLOP counting — nested layers of
+  any depth, Functional or subclassed.
+* `BatchNormalization._moments` — tfmp's `BatchNormalization` under recomputation — Keras' own
+  (masked, synchronized) batch statistics.
+* `Optimizer._get_variable_index` — `tfmp.optimizers.LARS` — where a variable's slots are, as
+  Keras' own optimizers find them.
+* `LossScaleOptimizer._tf_apply`, `_stateful_handle_finite_grads`, `_stateful_handle_non_finite_grads`,
+  `_overwrite_variable_with_gradient`, `_trainable_variables` — `LossScaleOptimizerHooks`, the base
+  of `tfmp.precision.LossScaleOptimizer` — floor, hysteresis, skip count and the all-replica overflow
+  decision (`tfmp/upstream.py`) override these; here they call public hooks.
+* `keras.src.backend.tensorflow.trainer` (`TensorFlowTrainer._maybe_symbolic_build`, `_symbolic_build`,
+  `reduce_per_replica`, `_collective_all_reduce_multi_worker`) — `tfmp/upstream.py` — the two
+  multi-worker `fit()` fixes patch them (`patch_multi_worker_trainer`).
+* `tf.__internal__.distribute.strategy_supports_no_merge_call` — `tfmp/upstream.py` — which
+  cross-replica path an optimizer step takes.
+* `tf.__internal__.distribute.interim.maybe_merge_call` — `tfmp/ssl/momentum.py` (EMA target
+  update) — the cross-replica update path Keras' optimizers take, with and without merge calls.
 
 `CHECKED_KERAS_VERSIONS` names the Keras releases these were read and tested against
-(tests/test_keras_internals.py fails if a hook disappears). Outside them, the first use
-warns once; tfmp keeps working as long as the hooks exist.
+(tests/test_keras_internals.py fails if a hook disappears, and its AST scan fails if any other
+module of tfmp touches a private Keras or TensorFlow name). Outside them, the first use warns
+once; tfmp keeps working as long as the hooks exist.
 """
 
 from __future__ import annotations
@@ -53,6 +66,12 @@ def missing_hooks() -> list[str]:
         missing.append("TensorFlowTrainer._maybe_symbolic_build")
     if not hasattr(keras.layers.Layer, "_flatten_layers"):
         missing.append("Layer._flatten_layers")
+    if not hasattr(keras.layers.BatchNormalization, "_moments"):
+        missing.append("BatchNormalization._moments")
+    if not hasattr(keras.optimizers.Optimizer, "_get_variable_index"):
+        missing.append("Optimizer._get_variable_index")
+    if not hasattr(trainer.TensorFlowTrainer, "_symbolic_build"):
+        missing.append("TensorFlowTrainer._symbolic_build")
     if not hasattr(tf.__internal__.distribute, "strategy_supports_no_merge_call"):
         missing.append("tf.__internal__.distribute.strategy_supports_no_merge_call")
     if not hasattr(tf.__internal__.distribute.interim, "maybe_merge_call"):
@@ -102,3 +121,79 @@ def maybe_merge_call(fn, strategy, *args):
 def is_multi_worker(strategy) -> bool:
     """Keras' own test for a multi-worker collective strategy (the branch `tfmp.upstream` fixes)."""
     return tensorflow_trainer()._collective_all_reduce_multi_worker(strategy)
+
+
+def batch_statistics(layer: keras.layers.BatchNormalization, inputs, mask):
+    """Keras' batch mean and variance for `layer` (masked and synchronized as the layer is)."""
+    return layer._moments(inputs, mask)
+
+
+def variable_index(optimizer: keras.optimizers.Optimizer, variable) -> int:
+    """The index of `variable`'s slots in `optimizer`'s per-variable lists (as Keras' optimizers look it up)."""
+    return optimizer._get_variable_index(variable)
+
+
+class LossScaleOptimizerHooks(keras.optimizers.LossScaleOptimizer):
+    """Keras' `LossScaleOptimizer` whose private steps call public hooks, for subclasses to override.
+
+    `apply_scaled_step` is one distributed step (Keras' `_tf_apply`); `on_finite_gradients` and
+    `on_non_finite_gradients` are what it does when the gradients are finite or not (Keras'
+    `_stateful_handle_finite_grads` / `_stateful_handle_non_finite_grads`). The defaults are Keras' own.
+    """
+
+    def _tf_apply(self, grads, trainable_variables=None):
+        self.apply_scaled_step(grads, trainable_variables)
+
+    def _stateful_handle_finite_grads(self, grads, trainable_variables):
+        self.on_finite_gradients(grads, trainable_variables)
+
+    def _stateful_handle_non_finite_grads(self):
+        self.on_non_finite_gradients()
+
+    def apply_scaled_step(self, grads, trainable_variables=None):
+        keras.optimizers.LossScaleOptimizer._tf_apply(self, grads, trainable_variables)
+
+    def on_finite_gradients(self, grads, trainable_variables):
+        keras.optimizers.LossScaleOptimizer._stateful_handle_finite_grads(self, grads, trainable_variables)
+
+    def on_non_finite_gradients(self):
+        keras.optimizers.LossScaleOptimizer._stateful_handle_non_finite_grads(self)
+
+    def stepped_variables(self, trainable_variables=None) -> list:
+        """`trainable_variables`, or the ones the optimizer was built for."""
+        return trainable_variables or self._trainable_variables
+
+    def overwrites_with_gradient(self, variable) -> bool:
+        """Whether Keras assigns this variable its "gradient" instead of applying an update (e.g. a float8 scale)."""
+        return self._overwrite_variable_with_gradient(variable)
+
+
+def patch_multi_worker_trainer(symbolic_build, reduce_per_replica) -> None:
+    """Installs `tfmp.upstream`'s two multi-worker fixes on Keras' TensorFlow trainer, once.
+
+    Args:
+        symbolic_build: `(model, original, iterator, data_batch)`, called in place of
+            `TensorFlowTrainer._maybe_symbolic_build` (`original` is Keras' own).
+        reduce_per_replica: `(values, strategy, reduction, original)`, called in place of the
+            trainer module's `reduce_per_replica`.
+    """
+    trainer = tensorflow_trainer()
+    if getattr(trainer.reduce_per_replica, "tfmp_fix", False):
+        return
+    original_build = trainer.TensorFlowTrainer._maybe_symbolic_build
+    original_reduce = trainer.reduce_per_replica
+
+    def maybe_symbolic_build(self, iterator=None, data_batch=None):
+        return symbolic_build(self, original_build, iterator, data_batch)
+
+    def reduce(values, strategy, reduction):
+        return reduce_per_replica(values, strategy, reduction, original_reduce)
+
+    reduce.tfmp_fix = True
+    trainer.TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
+    trainer.reduce_per_replica = reduce
+
+
+def build_from_batch(model: keras.Model, data_batch) -> None:
+    """Builds `model` (and its optimizer and metrics) from one batch, as Keras does before its first step."""
+    model._symbolic_build(data_batch=data_batch)

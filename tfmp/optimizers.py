@@ -17,7 +17,7 @@ import math
 import keras
 from keras import ops
 
-from tfmp import precision
+from tfmp import keras_internals, precision
 from tfmp.config import LEARNING_RATE_SCALINGS
 
 # Variables whose names contain these are excluded from weight decay (and LARS adaptation).
@@ -68,7 +68,7 @@ class LARS(keras.optimizers.Optimizer):
                 ops.logical_and(weight_norm > 0, gradient_norm > 0), self.eta * weight_norm / gradient_norm, ops.ones_like(weight_norm)
             )
             gradient = gradient * trust
-        momentum = self.momentums[self._get_variable_index(variable)]
+        momentum = self.momentums[keras_internals.variable_index(self, variable)]
         self.assign(momentum, momentum * self.momentum + learning_rate * gradient)
         self.assign_sub(variable, momentum)
 
@@ -127,6 +127,6 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     return precision.wrap_optimizer(
         optimizer,
         loss_scale=config.loss_scale,
-        initial_scale=config.initial_loss_scale,
-        growth_steps=config.loss_scale_growth_steps,
+        initial_loss_scale=config.initial_loss_scale,
+        loss_scale_growth_steps=config.loss_scale_growth_steps,
     )

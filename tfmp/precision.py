@@ -110,7 +110,7 @@ def global_policy_name() -> str:
 
 
 @keras.saving.register_keras_serializable(package="tfmp")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(keras_internals.LossScaleOptimizerHooks):
     """Keras' dynamic `LossScaleOptimizer`, with a floor, hysteresis, a fixed mode, and an
     overflow decision that holds across replicas.
 
@@ -182,19 +182,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._loss_scaled.seen = False
         super().apply(grads, trainable_variables)
 
-    def _tf_apply(self, grads, trainable_variables=None):
+    def apply_scaled_step(self, grads, trainable_variables=None):
         upstream.apply_loss_scaled_step(self, grads, trainable_variables)
 
-    def _stateful_handle_finite_grads(self, grads, trainable_variables):
+    def on_finite_gradients(self, grads, trainable_variables):
         self.overflow_streak.assign(0)
         if self.dynamic:
-            super()._stateful_handle_finite_grads(grads, trainable_variables)
+            super().on_finite_gradients(grads, trainable_variables)
             return
-        tvs = trainable_variables or self._trainable_variables
-        unscaled = [g if g is None or self._overwrite_variable_with_gradient(v) else g / self.dynamic_scale for g, v in zip(grads, tvs)]
+        variables = self.stepped_variables(trainable_variables)
+        unscaled = [g if g is None or self.overwrites_with_gradient(v) else g / self.dynamic_scale for g, v in zip(grads, variables)]
         self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
 
-    def _stateful_handle_non_finite_grads(self):
+    def on_non_finite_gradients(self):
         self.skipped_steps.assign_add(1)
         self.step_counter.assign(0)
         if not self.dynamic:
@@ -215,8 +215,8 @@ def wrap_optimizer(
     optimizer: keras.optimizers.Optimizer,
     *,
     loss_scale: str | float = "dynamic",
-    initial_scale: float = 2.0**15,
-    growth_steps: int = 2000,
+    initial_loss_scale: float = 2.0**15,
+    loss_scale_growth_steps: int = 2000,
     min_scale: float = 1.0,
     hysteresis: int = 2,
     policy: str | None = None,
@@ -229,8 +229,8 @@ def wrap_optimizer(
     Args:
         optimizer: a Keras optimizer.
         loss_scale: "dynamic", or a number for a fixed scale.
-        initial_scale: starting scale of the dynamic mode.
-        growth_steps: finite steps after which the dynamic scale doubles.
+        initial_loss_scale: starting scale of the dynamic mode (`LossScaleOptimizer`'s `initial_scale`).
+        loss_scale_growth_steps: finite steps after which the dynamic scale doubles (its `dynamic_growth_steps`).
         min_scale: floor of the dynamic scale.
         hysteresis: consecutive overflows before the dynamic scale halves.
         policy: the policy to wrap for; the Keras global policy by default.
@@ -242,7 +242,8 @@ def wrap_optimizer(
     if policy != MIXED_FLOAT16 or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer
     if loss_scale == "dynamic":
-        return LossScaleOptimizer(optimizer, initial_scale=initial_scale, dynamic_growth_steps=growth_steps, min_scale=min_scale, hysteresis=hysteresis)
+        return LossScaleOptimizer(optimizer, initial_scale=initial_loss_scale, dynamic_growth_steps=loss_scale_growth_steps,
+                                  min_scale=min_scale, hysteresis=hysteresis)
     try:
         fixed = float(loss_scale)
     except (TypeError, ValueError):

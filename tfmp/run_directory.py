@@ -6,7 +6,7 @@
     WORKDIR/checkpoints/           tf.train checkpoints (`tfmp.callbacks.Checkpointing`)
     WORKDIR/tensorboard/           TensorBoard scalars of every stage (a stage's below, e.g. baseline/draw0/)
     WORKDIR/history.csv            one row per epoch, appended across resumptions
-    WORKDIR/encoder.keras          the pretrained encoder (--task=simclr, byol, ...), loadable without tfmp
+    WORKDIR/encoder.keras          the pretrained encoder (--task=<an SSL method>), loadable without tfmp
     WORKDIR/summary.png            the run's figures drawn (probe vs baseline per draw, kNN over epochs)
     WORKDIR/baseline/draw<N>/      a stage's own run directory (the supervised baseline of label draw N):
                                    its checkpoints and history.csv
@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 
-from tfmp.config import Config, UsageError, load_json, save_json
+from tfmp.config import Config, UsageError, load_json, save_json, validate
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.json"
@@ -191,3 +191,22 @@ class RunDirectory:
 def as_run_directory(directory: str | RunDirectory) -> RunDirectory:
     """Accepts a path (library users) or a RunDirectory (tfmp's own code)."""
     return directory if isinstance(directory, RunDirectory) else RunDirectory(str(directory))
+
+
+def check_before_run(config: Config, workdir: str | RunDirectory) -> tuple[Config, RunDirectory, dict | None]:
+    """Every check of a run that needs no TensorFlow: the config, and what the workdir holds. The CLI
+    runs it before TensorFlow loads and hands the result to `tfmp.training.run`, which runs it only
+    when it was not given.
+
+    Returns:
+        `(the validated config, its run directory, the metrics of the finished run or None)`.
+
+    Raises:
+        UsageError: a bad config, or a workdir that cannot take this run.
+    """
+    config = validate(config)
+    directory = as_run_directory(workdir)
+    finished = None if config.dry_run else directory.finished_metrics(config)
+    if finished is None:
+        directory.check_writable()
+    return config, directory, finished

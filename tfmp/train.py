@@ -21,7 +21,7 @@ from absl import flags  # noqa: E402
 
 from tfmp import config as tfmp_config  # noqa: E402
 from tfmp import logs, report  # noqa: E402
-from tfmp.run_directory import RunDirectory  # noqa: E402
+from tfmp.run_directory import check_before_run  # noqa: E402
 
 FLAGS = flags.FlagValues()
 tfmp_config.define_flags(FLAGS)
@@ -55,13 +55,10 @@ def main(argv: list[str]) -> int:
     # Input checks that need no TensorFlow run first: its start-up lines would
     # otherwise bury the one-line error.
     try:
-        config = tfmp_config.validate(config)
-        directory = RunDirectory(workdir)
-        finished = None if config.dry_run else directory.finished_metrics(config)
-        if finished is None:
-            directory.check_writable()
+        checked = check_before_run(config, workdir)
     except tfmp_config.UsageError as error:
         return _fail(str(error), 2)
+    config, directory, finished = checked
     if finished is not None:
         print(f"already finished: {directory.metrics_file} (nothing to do)")
         return 0
@@ -76,7 +73,7 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return _fail("interrupted (Ctrl-C) before training started", INTERRUPTED_EXIT_CODE)
     try:
-        metrics = training.run(config, directory)
+        metrics = training.run(config, directory, checked=checked)
     except tfmp_config.UsageError as error:
         return _fail(str(error), 2)
     except training.TrainingFailed as error:

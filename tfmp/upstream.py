@@ -10,7 +10,7 @@ A. Loss scaling under tf.distribute (Keras 3.15 / TF 2.21; report text and repro
    1 only, the step is applied and every weight becomes NaN. `apply_loss_scaled_step` decides
    once for all replicas — an all-reduce of the non-finite flags — before either path Keras
    takes (merge_call, or no merge_call under XLA on all-GPU mirrored strategies), so every
-   replica skips or applies the same step. tfmp's `LossScaleOptimizer._tf_apply` calls it;
+   replica skips or applies the same step. tfmp's `LossScaleOptimizer.apply_scaled_step` calls it;
    tests/test_loss_scale_replicas.py fails if a replica's overflow is missed again (in `fit()`,
    in a `strategy.run` loop, and on two workers).
 
@@ -41,8 +41,6 @@ from keras import ops, tree
 
 from tfmp import keras_internals
 
-_applied = False
-
 
 def finite_on_every_replica(locally_finite: tf.Tensor) -> tf.Tensor:
     """True only where every replica's gradients are finite (call in replica context)."""
@@ -53,14 +51,13 @@ def finite_on_every_replica(locally_finite: tf.Tensor) -> tf.Tensor:
     return tf.equal(non_finite_replicas, 0.0)
 
 
-def apply_loss_scaled_step(optimizer, grads, trainable_variables=None) -> None:
-    """`LossScaleOptimizer._tf_apply` with the finite/non-finite decision taken over all replicas (A above)."""
+def apply_loss_scaled_step(optimizer: keras_internals.LossScaleOptimizerHooks, grads, trainable_variables=None) -> None:
+    """Keras' loss-scaled step with the finite/non-finite decision taken over all replicas (A above)."""
     if tf.distribute.in_cross_replica_context():
         raise ValueError("apply() must be called in a replica context.")
     finite = finite_on_every_replica(optimizer.check_finite(grads))
     if keras_internals.strategy_supports_no_merge_call():
-        ops.cond(finite, lambda: optimizer._stateful_handle_finite_grads(grads, trainable_variables),
-                 optimizer._stateful_handle_non_finite_grads)
+        ops.cond(finite, lambda: optimizer.on_finite_gradients(grads, trainable_variables), optimizer.on_non_finite_gradients)
         return
 
     def cross_replica(distribution, finite, grads, trainable_variables):
@@ -69,9 +66,9 @@ def apply_loss_scaled_step(optimizer, grads, trainable_variables=None) -> None:
         everywhere_finite = distribution.experimental_local_results(finite)[0]
 
         def apply_everywhere():
-            distribution.extended.call_for_each_replica(optimizer._stateful_handle_finite_grads, args=(grads, trainable_variables))
+            distribution.extended.call_for_each_replica(optimizer.on_finite_gradients, args=(grads, trainable_variables))
 
-        ops.cond(everywhere_finite, apply_everywhere, optimizer._stateful_handle_non_finite_grads)
+        ops.cond(everywhere_finite, apply_everywhere, optimizer.on_non_finite_gradients)
 
     tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite, grads, trainable_variables))
 
@@ -82,35 +79,30 @@ def _first_local_value(value):
     return value
 
 
+def _build_from_local_batch(model, original, iterator, data_batch):
+    """B.1: build from this worker's first local batch, under a multi-worker strategy."""
+    strategy = model.distribute_strategy
+    if not keras_internals.is_multi_worker(strategy) or iterator is None:
+        return original(model, iterator=iterator, data_batch=data_batch)
+    for _, _, batches in iterator:  # as Keras does: the first batch, for its shapes only
+        data_batch = tree.map_structure(_first_local_value, next(batches))
+        break
+    with strategy.scope():
+        keras_internals.build_from_batch(model, data_batch)
+
+
+def _reduce_per_replica(values, strategy, reduction, original):
+    """B.2: scalars reduced over replicas with axis=None, under a multi-worker strategy."""
+    if reduction not in ("auto", "mean") or not keras_internals.is_multi_worker(strategy):
+        return original(values, strategy, reduction)
+
+    def reduce(value):
+        rank = _first_local_value(value).shape.rank
+        return strategy.reduce("MEAN", value, axis=0 if rank else None)
+
+    return tree.map_structure(reduce, values)
+
+
 def apply_multi_worker_fixes() -> None:
-    """Installs the two workarounds above (idempotent)."""
-    global _applied
-    if _applied:
-        return
-    keras_tf_trainer = keras_internals.tensorflow_trainer()
-    original_symbolic_build = keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build
-    original_reduce = keras_tf_trainer.reduce_per_replica
-
-    def maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = self._distribute_strategy
-        if strategy is None or not keras_internals.is_multi_worker(strategy) or iterator is None:
-            return original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
-        for _, _, batches in iterator:  # as Keras does: the first batch, for its shapes only
-            data_batch = tree.map_structure(_first_local_value, next(batches))
-            break
-        with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-
-    def reduce_per_replica(values, strategy, reduction):
-        if reduction not in ("auto", "mean") or not keras_internals.is_multi_worker(strategy):
-            return original_reduce(values, strategy, reduction)
-
-        def reduce(value):
-            rank = _first_local_value(value).shape.rank
-            return strategy.reduce("MEAN", value, axis=0 if rank else None)
-
-        return tree.map_structure(reduce, values)
-
-    keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
-    keras_tf_trainer.reduce_per_replica = reduce_per_replica
-    _applied = True
+    """Installs the two workarounds of B (idempotent)."""
+    keras_internals.patch_multi_worker_trainer(_build_from_local_batch, _reduce_per_replica)

@@ -101,7 +101,7 @@ def main(argv) -> int:
                   probe_optimizer=precision.wrap_optimizer(keras.optimizers.Adam(1e-3)))
     run_callbacks = callbacks.default_callbacks(args.workdir, checkpoint_every_steps=args.checkpoint_every_steps)
     model.fit(images, labels, batch_size=128, epochs=args.epochs, verbose=0, callbacks=run_callbacks)
-    checkpointing = next(callback for callback in run_callbacks if isinstance(callback, callbacks.Checkpointing))
+    checkpointing = run_callbacks.checkpointing
     print(f"resumed_from_step={checkpointing.restored_step}")
     return 0
 

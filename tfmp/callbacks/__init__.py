@@ -1,39 +1,58 @@
 """Keras callbacks tfmp adds to `fit()`, for any Keras model (built lazily or not, functional,
-Sequential, subclassed, with its own `train_step` and optimizers), one room per concern:
+Sequential, subclassed, with its own `train_step` and optimizers), one room per job:
 
-    checkpointing.py  `Checkpointing` (resume, damaged-file tolerant discovery), `StepCounter`,
-                      `PreemptionCheckpoint` (SIGTERM, Ctrl-C)
-    guards.py         `NaNGuard` (divergence: restore and retry, then a diagnosis),
-                      `ReplicaConsistencyCheck`
-    telemetry.py      `Throughput`, `LossScaleMonitor`, `HistoryCSV` (writer and reader of history.csv)
-    model_state.py    what a model owns: its optimizers and the losses it logs
+    step_counter.py      `StepCounter`: steps taken across resumptions
+    checkpoint_files.py  which checkpoint files exist and read completely (no Keras)
+    checkpointing.py     `Checkpointing`: save cadence, what a checkpoint holds, restore
+    preemption.py        `PreemptionCheckpoint`, `Preempted`: SIGTERM and Ctrl-C
+    guards.py            `NaNGuard` (divergence; the checkpoints' save gate), `ReplicaConsistencyCheck`
+    telemetry.py         `Throughput`, `LossScaleMonitor`, `HistoryCSV` (writer and reader of history.csv)
+    model_state.py       what a model owns: its optimizers and the losses it logs
 
-`default_callbacks(workdir)` is the one-liner for library users; the CLI uses the same list.
-Its settings are named as `tfmp.config.Config`'s fields (and so as the CLI's flags).
+`default_callbacks(workdir)` is the one-liner for library users; the CLI uses the same set. Its
+settings are named as `tfmp.config.Config`'s fields (and so as the CLI's flags).
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import keras
 
-from tfmp.callbacks.checkpointing import Checkpointing, Preempted, PreemptionCheckpoint, StepCounter, find_checkpoints
+from tfmp.callbacks.checkpoint_files import find_checkpoints
+from tfmp.callbacks.checkpointing import Checkpointing
 from tfmp.callbacks.guards import NaNGuard, ReplicaConsistencyCheck, ReplicaDivergenceError
 from tfmp.callbacks.model_state import logged_losses, owned_optimizers
+from tfmp.callbacks.preemption import Preempted, PreemptionCheckpoint
+from tfmp.callbacks.step_counter import StepCounter
 from tfmp.callbacks.telemetry import HistoryCSV, LossScaleMonitor, Throughput, logged_history
 from tfmp.run_directory import RunDirectory, as_run_directory
 
 
-def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3, checkpoint_every_steps: int = 0,
-                      checkpoint_every_seconds: float = 10.0,
-                      nan_retries: int = 2, max_skipped_steps: int = 20, loss_explosion_factor: float = 1000.0,
-                      replica_check_every_steps: int = 100, monitors=(), validation: bool = False) -> list[keras.callbacks.Callback]:
-    """Step counter, guards (NaN, replica consistency), checkpoints with resume, telemetry, then the loggers.
+class RunCallbacks(NamedTuple):
+    """tfmp's callbacks for one `fit()`, by job. Pass it to `fit(callbacks=...)` as it is, or inside a
+    list (Keras flattens tuples); `as_list()` gives them flat, in the order they run."""
 
-    The guards run before the checkpoint so that a state they reject is not saved; telemetry
-    (loss scale, and `monitors` such as a kNN monitor) comes before the loggers (history.csv,
-    TensorBoard) so its values are in the logs they write.
+    step_counter: StepCounter
+    guard: NaNGuard
+    replica_check: ReplicaConsistencyCheck
+    checkpointing: Checkpointing
+    preemption: PreemptionCheckpoint
+    loss_scale: LossScaleMonitor
+    monitors: tuple  # callbacks whose values go into the logs, before the loggers write them
+    history: HistoryCSV
+    tensorboard: keras.callbacks.TensorBoard
+
+    def as_list(self) -> list[keras.callbacks.Callback]:
+        return [*self[:6], *self.monitors, self.history, self.tensorboard]
+
+
+def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3, checkpoint_every_steps: int = 0,
+                      checkpoint_every_seconds: float = 10.0, nan_retries: int = 2, max_skipped_steps: int = 20,
+                      loss_explosion_factor: float = 1000.0, replica_check_every_steps: int = 100, monitors=(),
+                      validation: bool = False) -> RunCallbacks:
+    """Step counter, guards, checkpoints with resume, preemption, telemetry, then the loggers.
 
     Args:
         workdir: the run directory (a path, or a `RunDirectory`, which on a non-chief worker
@@ -47,22 +66,22 @@ def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3,
     os.makedirs(run.write_path, exist_ok=True)
     counter = StepCounter()
     checkpointing = Checkpointing(run.checkpoints, keep_checkpoints=keep_checkpoints, checkpoint_every_steps=checkpoint_every_steps,
-                                  checkpoint_every_seconds=checkpoint_every_seconds,
-                                  save_directory=run.checkpoints_to_write, counter=counter)
-    return [
-        counter,
-        NaNGuard(checkpointing, nan_retries=nan_retries, max_skipped_steps=max_skipped_steps,
-                 loss_explosion_factor=loss_explosion_factor),
-        ReplicaConsistencyCheck(replica_check_every_steps=replica_check_every_steps, counter=counter),
-        checkpointing,
-        PreemptionCheckpoint(checkpointing),
-        LossScaleMonitor(),
-        *monitors,
-        HistoryCSV(run.history_to_write, validation=validation),
-        keras.callbacks.TensorBoard(run.tensorboard, write_graph=False),
-    ]
+                                  checkpoint_every_seconds=checkpoint_every_seconds, save_directory=run.checkpoints_to_write,
+                                  counter=counter)
+    return RunCallbacks(
+        step_counter=counter,
+        guard=NaNGuard(checkpointing, nan_retries=nan_retries, max_skipped_steps=max_skipped_steps,
+                       loss_explosion_factor=loss_explosion_factor),
+        replica_check=ReplicaConsistencyCheck(replica_check_every_steps=replica_check_every_steps, counter=counter),
+        checkpointing=checkpointing,
+        preemption=PreemptionCheckpoint(checkpointing),
+        loss_scale=LossScaleMonitor(),
+        monitors=tuple(monitors),
+        history=HistoryCSV(run.history_to_write, validation=validation),
+        tensorboard=keras.callbacks.TensorBoard(run.tensorboard, write_graph=False),
+    )
 
 
 __all__ = ["Checkpointing", "HistoryCSV", "LossScaleMonitor", "NaNGuard", "Preempted", "PreemptionCheckpoint", "ReplicaConsistencyCheck",
-           "ReplicaDivergenceError", "StepCounter", "Throughput", "default_callbacks", "find_checkpoints", "logged_history",
-           "logged_losses", "owned_optimizers"]
+           "ReplicaDivergenceError", "RunCallbacks", "StepCounter", "Throughput", "default_callbacks", "find_checkpoints",
+           "logged_history", "logged_losses", "owned_optimizers"]

@@ -7,10 +7,12 @@ import logging
 import math
 
 import keras
+import tensorflow as tf
 
 from tfmp import distribute, precision
-from tfmp.callbacks.checkpointing import Checkpointing, StepCounter
-from tfmp.callbacks.model_state import first_non_finite, learning_rate, logged_losses, optimizer_steps
+from tfmp.callbacks.checkpointing import Checkpointing
+from tfmp.callbacks.model_state import first_non_finite, learning_rate, logged_losses, optimizer_steps, owned_optimizers
+from tfmp.callbacks.step_counter import StepCounter
 
 logger = logging.getLogger(__name__)
 
@@ -20,17 +22,19 @@ class NaNGuard(keras.callbacks.Callback):
 
     Watches every loss the model logs (`loss`, or a custom model's `c_loss`, `p_loss`, ...) and
     triggers on one that is not finite, on one `loss_explosion_factor` times its best finished
-    epoch (divergence that has not reached inf yet; Keras' per-batch logs are the epoch's
-    running means, so one noisy batch does not trigger it), on non-finite weights or optimizer
-    state found when a checkpoint is due (a BatchNorm model can diverge with a huge but finite
-    loss), or on more than `max_skipped_steps` steps in a row skipped by fp16 loss scaling in
-    any of the model's optimizers. Each trigger restores the newest checkpoint (which
-    `Checkpointing` guarantees is finite) and goes on, up to `nan_retries` times, as Model
-    Garden's recovery does; then training stops and `diagnosis` names the step, the loss, the
-    optimizers' learning rates and the likely cause. The CLI turns a diagnosis into exit code 1.
+    epoch (Keras' per-batch logs are the epoch's running means, so one noisy batch does not
+    trigger it), on non-finite weights or optimizer state (a BatchNorm model can diverge with a
+    huge but finite loss), or on more than `max_skipped_steps` steps in a row skipped by fp16
+    loss scaling in any of the model's optimizers. Each trigger restores the newest checkpoint
+    and goes on, up to `nan_retries` times; then training stops and `diagnosis` names the step,
+    the loss, the optimizers' learning rates and the likely cause (the CLI's exit code 1).
+
+    It is also the checkpoints' save gate (`save_veto`): a state whose losses, weights or
+    optimizer slots are not finite, or any state once training has failed, is never saved, so
+    the newest checkpoint is always the last good one. Its place in the callback list does not matter.
 
     Args:
-        checkpointing: the run's `Checkpointing` callback (also its step count).
+        checkpointing: the run's `Checkpointing`: what the guard restores, and gates.
         nan_retries: restores before giving up.
         max_skipped_steps: fp16 steps skipped in a row that count as a failure.
         loss_explosion_factor: loss / its best epoch value that counts as divergence (0: off).
@@ -40,6 +44,8 @@ class NaNGuard(keras.callbacks.Callback):
                  loss_explosion_factor: float = 1000.0):
         super().__init__()
         self.checkpointing = checkpointing
+        self.counter = checkpointing.counter
+        checkpointing.set_save_gate(self)
         self.nan_retries = nan_retries
         self.max_skipped_steps = max_skipped_steps
         self.loss_explosion_factor = loss_explosion_factor
@@ -50,13 +56,49 @@ class NaNGuard(keras.callbacks.Callback):
         self._skip_streak = 0
         self._skipped = 0
         self._warned_no_loss = False
+        self._nonfinite_state_step: int | None = None  # seen by a vetoed save, not yet acted on
+        self._finite_check = None  # (the variables it reads, a traced all-finite reduction over them)
 
     @property
     def _optimizers(self) -> dict:
-        return self.checkpointing.optimizers  # the ones checkpointed are the ones watched
+        return owned_optimizers(self.model)
 
     def _total_skipped(self) -> int:
         return sum(precision.skipped_steps(optimizer) or 0 for optimizer in self._optimizers.values())
+
+    # ------------------------------------------------------------------ the save gate
+
+    def save_veto(self, logs) -> str | None:
+        """Why the current state must not be saved, or None (`tfmp.callbacks.checkpointing.SaveGate`)."""
+        if self.diagnosis is not None:
+            return "training failed"
+        losses = logged_losses(logs)
+        bad = first_non_finite(losses)
+        if bad:
+            return f"non-finite {bad} {losses[bad]}"
+        if not self._state_is_finite():
+            self._nonfinite_state_step = self.counter.step
+            return "non-finite weights"
+        return None
+
+    def _state_is_finite(self) -> bool:
+        # A step's loss is computed before its update: the weights can be non-finite while the
+        # logged loss is not, so the weights, BatchNorm statistics and optimizer slots are read too,
+        # in one traced reduction (traced again only when the variables change).
+        variables = [variable for variable in [*self.model.weights, *(variable for optimizer in self._optimizers.values()
+                                                                       if optimizer.built for variable in optimizer.variables)]
+                     if "float" in str(variable.dtype)]
+        key = [id(variable) for variable in variables]
+        if self._finite_check is None or self._finite_check[0] != key:
+            check = tf.function(lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(variable.value)) for variable in variables]))
+            self._finite_check = (key, check)
+        return bool(self._finite_check[1]())
+
+    def _take_nonfinite_state_step(self) -> int | None:
+        step, self._nonfinite_state_step = self._nonfinite_state_step, None
+        return step
+
+    # ------------------------------------------------------------------ watching
 
     def on_train_begin(self, logs=None):
         self._skipped = self._total_skipped()
@@ -72,8 +114,8 @@ class NaNGuard(keras.callbacks.Callback):
         skipped = self._total_skipped()
         self._skip_streak = self._skip_streak + skipped - self._skipped if skipped > self._skipped else 0
         self._skipped = skipped
-        step = self.checkpointing.step
-        nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
+        step = self.counter.step
+        nonfinite_state_step = self._take_nonfinite_state_step()
         bad = first_non_finite(losses)
         exploded = self._exploded(losses)
         if bad:
@@ -96,13 +138,12 @@ class NaNGuard(keras.callbacks.Callback):
         return next((name for name, value in losses.items()
                      if self._best_epoch_losses.get(name) and value > self.loss_explosion_factor * self._best_epoch_losses[name]), None)
 
-    # The guard runs before Checkpointing (default_callbacks), so a save refused for non-finite
-    # weights is seen at the next batch end, epoch end or, after the last epoch's save, at the
-    # end of training, where no retry is left: the run fails.
     def on_epoch_end(self, epoch, logs=None):
-        nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
+        nonfinite_state_step = self._take_nonfinite_state_step()
         if nonfinite_state_step is not None and not self.model.stop_training:
             self._recover(f"step {nonfinite_state_step}: non-finite weights in epoch {epoch + 1}")
+        elif not self.model.stop_training and not self._state_is_finite():
+            self._nonfinite_state_step = self.counter.step  # restored at the next batch end; at the last epoch, a failure
         if self.model.stop_training:
             return
         losses = logged_losses(logs)
@@ -113,16 +154,15 @@ class NaNGuard(keras.callbacks.Callback):
                 self._best_epoch_losses[name] = min(value, self._best_epoch_losses.get(name, math.inf))
 
     def on_train_end(self, logs=None):
-        nonfinite_state_step = self.checkpointing.take_nonfinite_state_step()
+        nonfinite_state_step = self._take_nonfinite_state_step()
         if nonfinite_state_step is not None and self.diagnosis is None:
             self._fail(f"step {nonfinite_state_step}: non-finite weights at the end of training")
 
     def _recover(self, event: str) -> None:
         """Restores the last good checkpoint, or stops with a diagnosis when retries are used up."""
-        if self.retries < self.nan_retries and self.checkpointing.usable:
+        if self.retries < self.nan_retries and self.checkpointing.restore_last_good():
             self.events.append(event)
             self.retries += 1
-            self.checkpointing.restore()
             self.model.reset_metrics()
             self._skip_streak = 0
             logger.warning("%s; restored the last good checkpoint (retry %d of %d)", event, self.retries, self.nan_retries)
@@ -131,7 +171,6 @@ class NaNGuard(keras.callbacks.Callback):
 
     def _fail(self, event: str) -> None:
         self.events.append(event)
-        self.checkpointing.discard_unsaved()  # the last good checkpoint stays the newest
         self.diagnosis = self.diagnose()
         logger.error("%s", self.diagnosis)
         self.model.stop_training = True
@@ -152,7 +191,7 @@ class NaNGuard(keras.callbacks.Callback):
         else:
             cause = (f"under {policy} this is not a precision problem but divergence: lower --learning_rate "
                      f"(learning rate now {rates}) or lengthen --warmup_epochs")
-        latest = self.checkpointing.usable
+        latest = self.checkpointing.last_good_checkpoint
         where = f"the last good checkpoint is {latest}" if latest else "no good checkpoint was written before it"
         return f"{what}; {cause}; {where}"
 

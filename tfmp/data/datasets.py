@@ -1,4 +1,4 @@
-"""Dataset registry: `digits`, `folder:PATH`, `tfds:NAME`, `synthetic`.
+"""Dataset sources (registered in `tfmp.registry.DATASET_SOURCES`) and what every source yields.
 
 Every source yields an `ImageData`: a train and a test `Split`, each able to produce
 an unbatched `tf.data.Dataset` of `(image, label)` pairs, images float32 in [0, 1]
@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from tfmp.config import DATASETS
+from tfmp import registry
 
 logger = logging.getLogger(__name__)
 DIGITS_SPLIT_SEED = 0
@@ -81,7 +81,8 @@ def _resize(images: np.ndarray, image_size: int) -> np.ndarray:
     return tf.image.resize(images, (image_size, image_size), method="bilinear").numpy()
 
 
-def _array_split(images: np.ndarray, labels: np.ndarray) -> Split:
+def array_split(images: np.ndarray, labels: np.ndarray) -> Split:
+    """A split of images and labels held in memory (what a dataset source of arrays returns)."""
     images = images.astype(np.float32)
     labels = labels.astype(np.int32)
 
@@ -119,8 +120,9 @@ def balanced_subset(labels: np.ndarray, fraction: float, seed: int) -> np.ndarra
     return np.sort(np.concatenate(chosen))
 
 
-def load_digits(image_size: int = 0) -> ImageData:
-    """scikit-learn's 8x8 digits, scaled to [0, 1], optionally resized to `image_size`."""
+def load_digits(*, image_size: int = 0, seed: int = 0) -> ImageData:
+    """scikit-learn's 8x8 digits, scaled to [0, 1], optionally resized to `image_size`. The split is
+    fixed (`DIGITS_SPLIT_SEED`), not drawn from `seed`, so the test set never changes with it."""
     from sklearn.datasets import load_digits as sklearn_digits
 
     bunch = sklearn_digits()
@@ -129,21 +131,21 @@ def load_digits(image_size: int = 0) -> ImageData:
     train, test = stratified_split(bunch.target, TEST_FRACTION, DIGITS_SPLIT_SEED)
     return ImageData(
         name="digits",
-        train=_array_split(images[train], bunch.target[train]),
-        test=_array_split(images[test], bunch.target[test]),
+        train=array_split(images[train], bunch.target[train]),
+        test=array_split(images[test], bunch.target[test]),
         num_classes=10,
         image_shape=tuple(images.shape[1:]),
     )
 
 
-def load_synthetic(image_size: int = 0, seed: int = 0, num_classes: int = 10) -> ImageData:
+def load_synthetic(*, image_size: int = 0, seed: int = 0, num_classes: int = 10) -> ImageData:
     """Uniform-noise RGB images with random labels (for benchmarks; nothing to learn)."""
     size = image_size or 32
     rng = np.random.default_rng(seed)
     splits = {}
     for split, count in SYNTHETIC_SIZES.items():
         images = rng.random((count, size, size, 3), dtype=np.float32)
-        splits[split] = _array_split(images, rng.integers(0, num_classes, count))
+        splits[split] = array_split(images, rng.integers(0, num_classes, count))
     return ImageData("synthetic", splits["train"], splits["test"], num_classes, (size, size, 3))
 
 
@@ -257,7 +259,7 @@ def _drop(paths: list[str], labels: list[int], unreadable: dict[str, str]) -> tu
     return [path for path, _ in kept], [label for _, label in kept]
 
 
-def load_folder(path: str, image_size: int = 0, seed: int = 0, skip_unreadable_images: bool = False) -> ImageData:
+def load_folder(path: str, *, image_size: int = 0, seed: int = 0, skip_unreadable_images: bool = False) -> ImageData:
     """Images in class subfolders of `path` (or of `path/train` and `path/test`).
 
     Every file is decoded once before training (`unreadable_images`).
@@ -353,7 +355,7 @@ def _tfds_split(builder, split: str, image_size: int, channels: int, labeled: bo
     return Split(labels=labels, make=make, cacheable=cacheable)
 
 
-def load_tfds(name: str, data_dir: str | None = None, image_size: int = 0, unlabeled_split: str = "") -> ImageData:
+def load_tfds(name: str, *, image_size: int = 0, seed: int = 0, data_dir: str = "", unlabeled_split: str = "") -> ImageData:
     """A tensorflow-datasets image classification set that is already prepared.
 
     `unlabeled_split` (e.g. STL-10's "unlabelled") becomes `ImageData.unlabeled`.
@@ -384,20 +386,27 @@ def load_tfds(name: str, data_dir: str | None = None, image_size: int = 0, unlab
         ) from None
 
 
-def load(name: str, *, data_dir: str | None = None, image_size: int = 0, seed: int = 0, unlabeled_split: str = "",
-         skip_unreadable_images: bool = False) -> ImageData:
-    """Loads a data set by its tfmp name (see the module docstring).
+def load(name: str, *, image_size: int = 0, seed: int = 0, **source_settings) -> ImageData:
+    """Loads a data set by its tfmp name (`digits`, `folder:PATH`, ...; `tfmp.registry.DATASET_SOURCES`).
+
+    Args:
+        name: the data set, as `--dataset` spells it.
+        image_size, seed: as `Config`'s fields.
+        **source_settings: `Config` fields only some sources read (`data_dir`, `unlabeled_split`,
+            `skip_unreadable_images`); a source gets the ones it declares.
 
     Raises:
         ValueError: unknown name, or a source that cannot be read; the message says
             what was wrong and lists the valid names.
     """
-    if name == "digits":
-        return load_digits(image_size)
-    if name == "synthetic":
-        return load_synthetic(image_size, seed)
-    if name.startswith("folder:") and len(name) > len("folder:"):
-        return load_folder(name[len("folder:"):], image_size, seed, skip_unreadable_images)
-    if name.startswith("tfds:") and len(name) > len("tfds:"):
-        return load_tfds(name[len("tfds:"):], data_dir, image_size, unlabeled_split)
-    raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(DATASETS)}")
+    source, argument = registry.dataset_source(name)
+    loader = source.load()
+    settings = {key: value for key, value in source_settings.items() if key in source.settings}
+    return loader(*([argument] if source.argument else []), image_size=image_size, seed=seed, **settings)
+
+
+def load_for(config) -> ImageData:
+    """The data set a `tfmp.config.Config` names, with every setting its source reads."""
+    source, _ = registry.dataset_source(config.dataset)
+    return load(config.dataset, image_size=config.image_size, seed=config.seed,
+                **{name: getattr(config, name) for name in source.settings})

@@ -70,7 +70,8 @@ class PrecisionReport:
         return float(min(max(lowest, 1.0), highest)), float(highest)
 
     def table(self) -> str:
-        header = f"{'layer':<28} {'max |act|':>10} {'max |grad|':>10} {'fp16 over':>9} {'fp16 flush':>10} {'bf16 over':>9} {'bf16 flush':>10}"
+        header = (f"{'layer':<28} {'max |act|':>10} {'max |grad|':>10} {'fp16 over':>9} {'fp16 flush':>10} "
+                  f"{'bf16 over':>9} {'bf16 flush':>10}")
         rows = [header, "-" * len(header)]
         for layer in self.layers:
             rows.append(f"{layer.name[:28]:<28} {layer.max_activation:>10.3g} {layer.max_gradient:>10.3g} "

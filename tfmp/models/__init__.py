@@ -9,38 +9,36 @@ from __future__ import annotations
 
 import keras
 
-from tfmp.config import MODELS
-from tfmp.models.cnn import small_cnn
+from tfmp import registry
 from tfmp.models.layers import NormSettings
 from tfmp.models.remat import check_mode
-from tfmp.models.resnet import resnet18_cifar, resnet50
-
-ENCODERS = {"small_cnn": small_cnn, "resnet18_cifar": resnet18_cifar, "resnet50": resnet50}
-MINIMUM_IMAGE_SIZE = {"small_cnn": 8, "resnet18_cifar": 8, "resnet50": 32}
-assert tuple(ENCODERS) == MODELS, "tfmp.config.MODELS must list exactly the encoders built here"
 
 
 def check_image_size(name: str, input_shape: tuple[int, ...]) -> None:
-    """Raises ValueError unless encoder `name` exists and takes images of `input_shape` (its
-    downsampling needs a minimum size)."""
-    if name not in ENCODERS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(ENCODERS)}")
-    if min(input_shape[:2]) < MINIMUM_IMAGE_SIZE[name]:
-        raise ValueError(f"model {name} needs images of at least {MINIMUM_IMAGE_SIZE[name]}px, got {input_shape[0]}; set --image_size")
+    """Raises ValueError unless encoder `name` is registered and takes images of `input_shape` (its
+    downsampling needs the builder's `minimum_image_size`)."""
+    minimum = getattr(registry.ENCODERS.load(name), "minimum_image_size", 1)
+    if min(input_shape[:2]) < minimum:
+        raise ValueError(f"model {name} needs images of at least {minimum}px, got {input_shape[0]}; set --image_size")
 
 
-def build_encoder(name: str, input_shape: tuple[int, int, int], norm: NormSettings = NormSettings(),
-                  remat: str = "none") -> keras.Model:
-    """Builds the encoder called `name` for images of `input_shape`.
+def build_encoder(name: str, input_shape: tuple[int, int, int], norm: NormSettings = NormSettings(), *,
+                  remat: str = "none", conv_weight_gradient: str = "auto") -> keras.Model:
+    """Builds the encoder registered as `name` (`tfmp.registry.ENCODERS`) for images of `input_shape`.
 
-    `remat` is the activation checkpointing mode (`tfmp.models.remat`): none, blocks, full.
+    Args:
+        name: the encoder (`--model`).
+        input_shape: one image's shape.
+        norm: BatchNorm settings.
+        remat: activation checkpointing (`tfmp.models.remat`): none, blocks, full.
+        conv_weight_gradient: the weight-gradient mode of its convolutions (`tfmp.models.conv`).
 
     Raises:
         ValueError: unknown name, or images too small for it.
     """
     check_image_size(name, input_shape)
     check_mode(remat)
-    return ENCODERS[name](input_shape, norm=norm, remat=remat)
+    return registry.ENCODERS.load(name)(input_shape, norm=norm, remat=remat, conv_weight_gradient=conv_weight_gradient)
 
 
 def build_classifier(encoder: keras.Model, num_classes: int, name: str = "classifier") -> keras.Model:
@@ -52,4 +50,4 @@ def build_classifier(encoder: keras.Model, num_classes: int, name: str = "classi
 
 from tfmp.models import export  # noqa: E402 — `tfmp.models.export.portable(model)`, after what it builds on
 
-__all__ = ["ENCODERS", "NormSettings", "build_encoder", "build_classifier", "export"]
+__all__ = ["NormSettings", "build_encoder", "build_classifier", "check_image_size", "export"]

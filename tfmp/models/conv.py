@@ -1,26 +1,15 @@
-"""tfmp's Conv2D: Keras' layer whose weight gradient is a matmul per kernel tap where that measured faster.
+"""tfmp's Conv2D: Keras' layer whose weight gradient can be one matmul per kernel tap.
 
-TensorFlow computes a convolution's weight gradient with `Conv2DBackpropFilter` (oneDNN's
-backward-weights kernel). In bf16, for small feature maps with many channels — ResNet-18's last
-two stages on 32x32 images — the same gradient as matmuls measured faster: for each of the nine
-taps of a 3x3 kernel, the input shifted by that tap, flattened to [N*H*W, C] and transposed,
-times the upstream gradient [N*H*W, F]. On an AMX Xeon (bf16, ms per call): 17.5 -> 11.4 at
-8x8x256 and 50.2 -> 10.4 at 4x4x512, slower at every larger feature map and at the small CNN's
-shapes (`experiments/benchmarks/weight_gradient_im2col.py`, BUILD_NOTES "Performance, round
-two"). `tap_matmul_pays` is that measured rule; everywhere else the layer is Keras' Conv2D.
+In bf16, for small feature maps with many channels (ResNet-18's last two stages on 32x32
+images), the kernel gradient as matmuls — for each tap of a 3x3 kernel, the input shifted by
+that tap, flattened to [N*H*W, C] and transposed, times the upstream gradient [N*H*W, F] —
+measured faster than TensorFlow's `Conv2DBackpropFilter` on CPUs with bf16 units, and slower
+everywhere else (BUILD_NOTES.md, "Performance, round two"). `tap_matmul_pays` is that rule.
 
-`weight_gradient = "auto"` (the default) takes the tap matmuls where the rule holds and the step
-runs on a CPU with bf16 units (AVX512_BF16 or AMX; not measured on GPUs, TPUs or emulated bf16);
-"tf" keeps TensorFlow's kernel everywhere; "tap_matmul" takes them wherever the rule holds (for
-measuring). An earlier form, one matmul over the nine shifted copies concatenated (im2col), was
-as fast on the Zen 4 but raised the bf16 step's peak tensor memory by 48%: the copies depend
-only on the forward input, so the executor made them early, for every such layer at once. Here
-each copy is tied to the upstream gradient, and the step's peak stays within 2% of TF's kernel.
-
-The forward pass and the input gradient are TensorFlow's own kernels; only the kernel's gradient
-changes, and it is the same sum in a different order (the matmul accumulates in float32 inside
-oneDNN and rounds to bf16 once, as the convolution kernel does). Pad, slice and matmul all
-compile under XLA. Saved encoders hold Keras' Conv2D (`tfmp.models.export.portable`).
+The mode is the layer's `conv_weight_gradient` argument (kept in its config): `auto` takes the
+tap matmuls where the rule holds on a CPU with bf16 units, `tf` never, `tap_matmul` wherever the
+rule holds. The forward pass and the input gradient are TensorFlow's own kernels; pad, slice
+and matmul compile under XLA. Saved encoders hold Keras' Conv2D (`tfmp.models.export.portable`).
 """
 
 from __future__ import annotations
@@ -32,10 +21,6 @@ import tensorflow as tf
 
 from tfmp import hardware
 from tfmp.config import CONV_WEIGHT_GRADIENTS
-
-# Which weight gradient the layers trace with (module-wide, read when a step is traced; see above).
-weight_gradient = "auto"
-
 
 RULE = "bf16 3x3 stride-1 layers on <= 8x8 maps with >= 256 channels"  # what `tap_matmul_pays` checks, for logs
 
@@ -54,20 +39,24 @@ def _runs_on_a_cpu_with_bf16_units() -> bool:
     return not accelerators and hardware.cpu_has_bf16_units()
 
 
-def use_tap_matmul(input_shape, kernel_size, strides, dtype) -> bool:
-    """Whether a layer traced now takes the tap matmuls, under `weight_gradient`."""
-    if weight_gradient not in CONV_WEIGHT_GRADIENTS:
-        raise ValueError(f"tfmp.models.conv.weight_gradient={weight_gradient!r}; valid: {', '.join(CONV_WEIGHT_GRADIENTS)}")
-    if weight_gradient == "tf" or not tap_matmul_pays(input_shape, kernel_size, strides, dtype):
+def check_mode(conv_weight_gradient: str) -> None:
+    if conv_weight_gradient not in CONV_WEIGHT_GRADIENTS:
+        raise ValueError(f"unknown conv_weight_gradient {conv_weight_gradient!r}; valid: {', '.join(CONV_WEIGHT_GRADIENTS)}")
+
+
+def use_tap_matmul(conv_weight_gradient: str, input_shape, kernel_size, strides, dtype) -> bool:
+    """Whether a layer in mode `conv_weight_gradient` called on this input takes the tap matmuls."""
+    check_mode(conv_weight_gradient)
+    if conv_weight_gradient == "tf" or not tap_matmul_pays(input_shape, kernel_size, strides, dtype):
         return False
-    return weight_gradient == "tap_matmul" or _runs_on_a_cpu_with_bf16_units()
+    return conv_weight_gradient == "tap_matmul" or _runs_on_a_cpu_with_bf16_units()
 
 
-def describe_weight_gradient() -> str:
-    """One line for the run's log: what `weight_gradient` means on this machine."""
-    if weight_gradient == "tf":
+def describe_weight_gradient(conv_weight_gradient: str) -> str:
+    """One line for the run's log: what the mode means on this machine."""
+    if conv_weight_gradient == "tf":
         return "tf (TensorFlow's kernel everywhere, as asked)"
-    if weight_gradient == "tap_matmul":
+    if conv_weight_gradient == "tap_matmul":
         return f"tap_matmul ({RULE}, as asked)"
     if _runs_on_a_cpu_with_bf16_units():
         return f"auto: tap matmuls for {RULE} (measured faster on CPUs with bf16 units)"
@@ -112,15 +101,29 @@ def conv2d_with_tap_matmul_weight_gradient(inputs, kernel):
 
 @keras.saving.register_keras_serializable(package="tfmp")
 class Conv2D(keras.layers.Conv2D):
-    """Keras' Conv2D (same arguments, variables and config) with the tap-matmul weight gradient where
-    `use_tap_matmul` for the input it is called on; channels-last, "same" padding, no dilation or groups."""
+    """Keras' Conv2D (same arguments and variables) with the tap-matmul weight gradient where
+    `use_tap_matmul` holds for the input it is called on; channels-last, "same" padding, no dilation or groups.
+
+    Args:
+        conv_weight_gradient: `auto`, `tf` or `tap_matmul` (see the module docstring).
+        **kwargs: `keras.layers.Conv2D`'s arguments.
+    """
 
     tap_matmul_weight_gradient = False  # set when traced: whether this layer took the tap matmuls
+
+    def __init__(self, *args, conv_weight_gradient: str = "auto", **kwargs):
+        check_mode(conv_weight_gradient)
+        super().__init__(*args, **kwargs)
+        self.conv_weight_gradient = conv_weight_gradient
+
+    def get_config(self):
+        return {**super().get_config(), "conv_weight_gradient": self.conv_weight_gradient}
 
     def convolution_op(self, inputs, kernel):
         simple = (self.padding == "same" and self.data_format == "channels_last" and tuple(self.dilation_rate) == (1, 1)
                   and self.groups == 1)
-        self.tap_matmul_weight_gradient = simple and use_tap_matmul(inputs.shape, self.kernel_size, self.strides, inputs.dtype)
+        self.tap_matmul_weight_gradient = simple and use_tap_matmul(self.conv_weight_gradient, inputs.shape, self.kernel_size,
+                                                                    self.strides, inputs.dtype)
         if self.tap_matmul_weight_gradient:
             return conv2d_with_tap_matmul_weight_gradient(inputs, tf.convert_to_tensor(kernel))
         return super().convolution_op(inputs, kernel)

@@ -39,7 +39,9 @@ def portable(model: keras.Model) -> keras.Model:
             config.pop("fused")
             return keras.layers.BatchNormalization.from_config(config)
         if isinstance(layer, Conv2D):  # the same config; only the gradient differs
-            return keras.layers.Conv2D.from_config(layer.get_config())
+            config = layer.get_config()
+            config.pop("conv_weight_gradient")
+            return keras.layers.Conv2D.from_config(config)
         if isinstance(layer, CheckpointedBlock):
             return portable(layer.block)
         if isinstance(layer, keras.Model):
@@ -49,17 +51,17 @@ def portable(model: keras.Model) -> keras.Model:
     return _clone(model, replace)
 
 
-def adopt(model: keras.Model) -> keras.Model:
-    """The inverse of `portable` for BatchNorm: Keras' BatchNormalization layers become tfmp's
-    fused one (same settings and statistics), for training under tfmp."""
+def adopt(model: keras.Model, conv_weight_gradient: str = "auto") -> keras.Model:
+    """The inverse of `portable`: Keras' BatchNormalization and Conv2D layers become tfmp's (same
+    settings, weights and statistics; convolutions in mode `conv_weight_gradient`), for training under tfmp."""
 
     def replace(layer):
         if type(layer) is keras.layers.BatchNormalization:
             return BatchNormalization.from_config(layer.get_config())
         if type(layer) is keras.layers.Conv2D:
-            return Conv2D.from_config(layer.get_config())
+            return Conv2D.from_config({**layer.get_config(), "conv_weight_gradient": conv_weight_gradient})
         if isinstance(layer, keras.Model):
-            return adopt(layer)
+            return adopt(layer, conv_weight_gradient)
         return layer.__class__.from_config(layer.get_config())
 
     return _clone(model, replace)

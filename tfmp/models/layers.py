@@ -1,17 +1,11 @@
 """Building blocks shared by tfmp's encoders, and tfmp's BatchNormalization.
 
-Keras' BatchNormalization casts a bfloat16/float16 input up to float32, normalises in
-float32 and casts back. The backward pass then keeps that float32 copy of every
-BatchNorm input, so a bf16 ResNet stores a good part of its activations at 4 bytes
-and spends time in the casts: measured, this is why plain Keras bf16 reaches only
-~0.85x of float32's peak memory and ~1.5x its speed on a CPU where PyTorch gets 0.62x
-and 2.0x. `BatchNormalization` below is the same layer (same variables, arguments,
-serialisation and moving-statistics update) whose NHWC 4-D case runs TensorFlow's
-fused kernel, `FusedBatchNormV3`, on the 16-bit input directly: statistics are
-accumulated in float32 inside the kernel, the input is kept once in its own dtype,
-and the gradient is one fused kernel too (as in PyTorch and in tf.keras 2's
-`fused=True`). Every other case (masks, renorm, other ranks or axes, synchronized
-statistics across more than one replica) is Keras' own code path.
+Keras' BatchNormalization casts a bf16/fp16 input up to float32, normalises and casts back,
+so the backward pass keeps a float32 copy of every BatchNorm input. tfmp's `BatchNormalization`
+is the same layer (variables, arguments, serialisation, moving-statistics update) whose NHWC
+4-D case runs TensorFlow's fused kernel on the 16-bit input directly, as PyTorch and tf.keras 2's
+`fused=True` do; every other case is Keras' own code path. What that saves is measured in
+BUILD_NOTES.md ("Performance").
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tfmp import keras_internals
 from tfmp.models.conv import Conv2D
 from tfmp.models.remat import is_recomputing
 
@@ -29,17 +24,15 @@ class NormSettings:
     """How encoders normalise.
 
     Attributes:
-        momentum: BatchNorm moving-average momentum. Keras' default 0.99 leaves the
-            moving statistics stale on small data sets (few steps per run): a BN CNN
-            on digits reached 0.67 eval accuracy after 15 epochs with 0.99 and 0.99
-            with 0.9 (DESIGN.md), so tfmp defaults to 0.9.
+        bn_momentum: BatchNorm moving-average momentum (`--bn_momentum`). 0.9, not Keras'
+            0.99, whose moving statistics stay stale over the few steps of a small data set.
         synchronized: compute batch statistics across all replicas (SimCLR needs
             it so a replica cannot "cheat" with its local batch statistics).
         fused: use tfmp's fused kernel where it applies (see `BatchNormalization`);
             False runs Keras' own code path everywhere (for exact comparisons).
     """
 
-    momentum: float = 0.9
+    bn_momentum: float = 0.9
     synchronized: bool = False
     fused: bool = True
 
@@ -113,7 +106,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
     def _normalise_with_batch_statistics(self, inputs, mask):
         """Keras' training-mode computation without the moving-statistics update (recomputation)."""
         inputs = keras.ops.cast(inputs, "float32")
-        mean, variance = self._moments(inputs, mask)
+        mean, variance = keras_internals.batch_statistics(self, inputs, mask)
         outputs = keras.ops.batch_normalization(inputs, mean, variance, axis=self.axis, epsilon=self.epsilon,
                                                 offset=self.beta if self.center else None,
                                                 scale=self.gamma if self.scale else None)
@@ -122,7 +115,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
 def batch_norm(norm: NormSettings, name: str | None = None, zero_init: bool = False) -> BatchNormalization:
     return BatchNormalization(
-        momentum=norm.momentum,
+        momentum=norm.bn_momentum,
         epsilon=1e-5,
         synchronized=norm.synchronized,
         fused=norm.fused,
@@ -131,15 +124,16 @@ def batch_norm(norm: NormSettings, name: str | None = None, zero_init: bool = Fa
     )
 
 
-def conv(filters: int, kernel_size: int, strides: int = 1, name: str | None = None) -> keras.layers.Conv2D:
+def conv(filters: int, kernel_size: int, strides: int = 1, name: str | None = None,
+         conv_weight_gradient: str = "auto") -> keras.layers.Conv2D:
     # No bias: every convolution is followed by BatchNorm, whose beta plays that role. tfmp's Conv2D
     # is Keras' with a tap-matmul weight gradient where measured faster (tfmp.models.conv).
-    return Conv2D(
-        filters, kernel_size, strides=strides, padding="same", use_bias=False, kernel_initializer="he_normal", name=name
-    )
+    return Conv2D(filters, kernel_size, strides=strides, padding="same", use_bias=False, kernel_initializer="he_normal", name=name,
+                  conv_weight_gradient=conv_weight_gradient)
 
 
-def conv_bn_relu(x, filters: int, kernel_size: int, norm: NormSettings, strides: int = 1, name: str = "conv"):
-    x = conv(filters, kernel_size, strides, name=f"{name}_conv")(x)
+def conv_bn_relu(x, filters: int, kernel_size: int, norm: NormSettings, strides: int = 1, name: str = "conv",
+                 conv_weight_gradient: str = "auto"):
+    x = conv(filters, kernel_size, strides, name=f"{name}_conv", conv_weight_gradient=conv_weight_gradient)(x)
     x = batch_norm(norm, name=f"{name}_bn")(x)
     return keras.layers.ReLU(name=f"{name}_relu")(x)

@@ -11,15 +11,10 @@ get the activations its gradient needs. tfmp offers two granularities:
 * `full`: ResNets also checkpoint each stage around its checkpointed blocks, so the
   forward pass keeps only the four stage inputs; the backward pass recomputes a stage
   (keeping its block inputs), then each block: two extra forward passes of compute.
-  For ResNet-18 (two blocks a stage) it measured no better than `blocks` (BUILD_NOTES.md);
-  it is meant for deeper stages. (small_cnn has no stages: `full` is `blocks` there.)
+  Meant for deep stages (small_cnn has no stages: `full` is `blocks` there).
 
-Why not `keras.RematScope(mode="full")`, Keras' per-layer mode: measured on Keras 3.15 /
-TF 2.21 it (a) fails for any layer called with keyword arguments (BatchNormalization's
-`training`) inside a tf.function, (b) fails under mixed precision, because the
-recomputation runs outside Keras' autocast scope (float32 kernel vs bf16 input), and
-(c) in float32, with (a) worked around, raised ResNet-18's step peak from 337 to 463 MiB:
-every layer still keeps its input, and the recomputed copies come on top (BUILD_NOTES.md).
+Keras' per-layer `keras.RematScope` fails on Keras 3.15 / TF 2.21 for layers called with
+keyword arguments and under mixed precision, and kept more memory where it ran (BUILD_NOTES.md).
 
 The recomputation must not update state a second time: tfmp's BatchNormalization skips
 its moving-statistics update while `recomputing()` is active, which

@@ -8,8 +8,9 @@
     probes.py     linear probe, kNN, the kNN monitor
     guard.py      the small-data guard
 
-`METHODS` is the registry: `--task=NAME` pretrains with `METHODS[NAME]`. Adding a method is a
-module with a `TwoViewModel` subclass (with `from_run_config`) and one entry here.
+Methods are registered by name in `tfmp.registry.SSL_METHODS` (`--task=NAME` pretrains with it):
+adding one is a module with a `TwoViewModel` subclass (its `settings` name the config fields it
+reads) and one registry line.
 """
 
 from tfmp.ssl.byol import BYOL
@@ -20,7 +21,5 @@ from tfmp.ssl.simclr import SimCLR
 from tfmp.ssl.two_view import TwoViewModel
 from tfmp.ssl.vicreg import BarlowTwins, VICReg
 
-METHODS = {"simclr": SimCLR, "byol": BYOL, "vicreg": VICReg, "barlow_twins": BarlowTwins, "mocov3": MoCoV3}
-
-__all__ = ["BYOL", "BarlowTwins", "METHODS", "MoCoV3", "MomentumTwoViewModel", "SimCLR", "TwoViewModel", "VICReg",
+__all__ = ["BYOL", "BarlowTwins", "MoCoV3", "MomentumTwoViewModel", "SimCLR", "TwoViewModel", "VICReg",
            "barlow_twins_loss", "byol_loss", "info_nce", "nt_xent", "vicreg_loss"]

@@ -22,24 +22,22 @@ class BYOL(MomentumTwoViewModel):
     Args:
         encoder: a Keras model, images -> [batch, features].
         projection_dim: output size of projector and predictor.
-        hidden_dim: hidden size of projector and predictor (default: the feature size).
+        projection_hidden_dim: hidden size of projector and predictor (default: the feature size).
         norm: BatchNorm settings of the heads.
-        **kwargs: `MomentumTwoViewModel`'s (`base_momentum`, `total_steps`, `target_encoder`) and
+        **kwargs: `MomentumTwoViewModel`'s (`target_momentum`, `total_steps`, `target_encoder`) and
             `TwoViewModel`'s (`num_classes`, `augment_config`, `seed`).
     """
 
-    def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, hidden_dim: int | None = None,
+    settings = ("projection_dim", "projection_hidden_dim", "target_momentum")
+
+    def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, projection_hidden_dim: int = 0,
                  norm: NormSettings = NormSettings(synchronized=True), **kwargs):
         super().__init__(encoder, **kwargs)
-        hidden = hidden_dim or self.feature_dim
+        hidden = projection_hidden_dim or self.feature_dim
         self.projector = mlp_head(hidden, projection_dim, norm, "projector", self.feature_dim)
         self.predictor = mlp_head(hidden, projection_dim, norm, "predictor", projection_dim)
         self.make_target()
 
-    @classmethod
-    def from_run_config(cls, encoder, config, **common):
-        return cls(encoder, projection_dim=config.projection_dim, hidden_dim=config.projection_hidden_dim or None,
-                   base_momentum=config.target_momentum, **common)
 
     def ssl_loss(self, features, batch_size, targets):
         predictions = self.predictor(self.projector(features, training=True), training=True)

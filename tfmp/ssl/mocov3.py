@@ -22,7 +22,7 @@ class MoCoV3(MomentumTwoViewModel):
     Args:
         encoder: a Keras model, images -> [batch, features].
         projection_dim: output size of projector and predictor.
-        hidden_dim: hidden size of projector and predictor (default: the feature size).
+        projection_hidden_dim: hidden size of projector and predictor (default: the feature size).
         temperature: InfoNCE temperature.
         norm: BatchNorm settings of the heads.
         **kwargs: `MomentumTwoViewModel`'s and `TwoViewModel`'s arguments.
@@ -30,19 +30,17 @@ class MoCoV3(MomentumTwoViewModel):
 
     metric_names = ("contrastive_accuracy",)
 
-    def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, hidden_dim: int | None = None, temperature: float = 1.0,
+    settings = ("projection_dim", "projection_hidden_dim", "temperature", "target_momentum")
+
+    def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, projection_hidden_dim: int = 0, temperature: float = 1.0,
                  norm: NormSettings = NormSettings(synchronized=True), **kwargs):
         super().__init__(encoder, **kwargs)
-        hidden = hidden_dim or self.feature_dim
+        hidden = projection_hidden_dim or self.feature_dim
         self.projector = mlp_head(hidden, projection_dim, norm, "projector", self.feature_dim)
         self.predictor = mlp_head(hidden, projection_dim, norm, "predictor", projection_dim)
         self.temperature = temperature
         self.make_target()
 
-    @classmethod
-    def from_run_config(cls, encoder, config, **common):
-        return cls(encoder, projection_dim=config.projection_dim, hidden_dim=config.projection_hidden_dim or None,
-                   temperature=config.temperature, base_momentum=config.target_momentum, **common)
 
     def ssl_loss(self, features, batch_size, targets):
         queries = self.predictor(self.projector(features, training=True), training=True)

@@ -2,7 +2,7 @@
 
 The target is a copy of the online encoder and projector whose weights follow the online
 ones as an exponential moving average, `target <- m * target + (1 - m) * online`, with `m`
-rising from `base_momentum` to 1 on a cosine over the run (Grill et al. 2020, eq. 6).
+rising from `target_momentum` to 1 on a cosine over the run (Grill et al. 2020, eq. 6).
 
 Numerics and replicas, the two places this goes wrong:
 
@@ -28,10 +28,10 @@ from tfmp import keras_internals
 from tfmp.ssl.two_view import TwoViewModel
 
 
-def momentum_at(step: tf.Tensor, total_steps: int, base_momentum: float) -> tf.Tensor:
-    """Cosine schedule from `base_momentum` at step 0 to 1 at `total_steps` (and after)."""
+def momentum_at(step: tf.Tensor, total_steps: int, target_momentum: float) -> tf.Tensor:
+    """Cosine schedule from `target_momentum` at step 0 to 1 at `total_steps` (and after)."""
     progress = tf.minimum(tf.cast(step, tf.float32) / float(max(total_steps, 1)), 1.0)
-    return 1.0 - (1.0 - base_momentum) * (tf.cos(math.pi * progress) + 1.0) / 2.0
+    return 1.0 - (1.0 - target_momentum) * (tf.cos(math.pi * progress) + 1.0) / 2.0
 
 
 def update_target(target_variables: list, online_variables: list, momentum: tf.Tensor) -> None:
@@ -60,18 +60,15 @@ class MomentumTwoViewModel(TwoViewModel):
     Subclasses set `self.projector` (and their predictor) before calling `make_target()`.
 
     Args:
-        base_momentum: the target's momentum at step 0 (it rises to 1 on a cosine).
-        total_steps: the run's optimizer steps (the schedule's length).
+        target_momentum: the target's momentum at step 0 (it rises to 1 on a cosine).
         target_encoder: the target's encoder; default a copy of `encoder` (`keras.models.clone_model`,
             so functional and Sequential encoders; pass one for a subclassed encoder).
-        **kwargs: `TwoViewModel`'s arguments.
+        **kwargs: `TwoViewModel`'s arguments (its `total_steps` is the schedule's length).
     """
 
-    def __init__(self, encoder: keras.Model, *, base_momentum: float = 0.99, total_steps: int = 1000,
-                 target_encoder: keras.Model | None = None, **kwargs):
+    def __init__(self, encoder: keras.Model, *, target_momentum: float = 0.99, target_encoder: keras.Model | None = None, **kwargs):
         super().__init__(encoder, **kwargs)
-        self.base_momentum = base_momentum
-        self.total_steps = total_steps
+        self.target_momentum = target_momentum
         self._given_target_encoder = target_encoder
 
     def make_target(self) -> None:
@@ -118,7 +115,7 @@ class MomentumTwoViewModel(TwoViewModel):
 
     def momentum(self) -> tf.Tensor:
         """The momentum of the update after the step just taken (step count before it)."""
-        return momentum_at(self.optimizer.iterations - 1, self.total_steps, self.base_momentum)
+        return momentum_at(self.optimizer.iterations - 1, self.total_steps, self.target_momentum)
 
     def after_update(self) -> None:
         update_target(self.target_weights(), self.online_target_weights(), self.momentum())

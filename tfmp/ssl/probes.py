@@ -79,9 +79,8 @@ def linear_probe(train_features: np.ndarray, train_labels: np.ndarray, test_feat
     computed, and a linear layer on a few thousand vectors takes seconds.
 
     All `epochs` (each a reshuffled pass in batches of `batch_size`, the last batch partial)
-    run as one `fit()` epoch in executions of many steps: with 2% of digits' labels an epoch is
-    one step, and 200 one-step epochs spent ~10 ms each in Keras' per-epoch and per-call
-    overhead for a step of well under 1 ms. The optimisation is the same steps on the same batches.
+    run as one `fit()` epoch in executions of many steps, which saves Keras' per-epoch work
+    when an epoch is one step; the optimisation is the same steps on the same batches.
 
     Args:
         compiled: a `tfmp.compilation.CompiledOnce` shared by probes of one recipe and feature size

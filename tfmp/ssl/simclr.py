@@ -21,7 +21,7 @@ class SimCLR(TwoViewModel):
     Args:
         encoder: a Keras model, images -> [batch, features].
         projection_dim: output size of the projection head.
-        hidden_dim: hidden size of the projection head (default: the feature size).
+        projection_hidden_dim: hidden size of the projection head (default: the feature size).
         temperature: NT-Xent temperature.
         norm: BatchNorm settings of the projection head (synchronized on several replicas).
         **kwargs: `TwoViewModel`'s (`num_classes`, `augment_config`, `seed`) and Keras'.
@@ -29,16 +29,14 @@ class SimCLR(TwoViewModel):
 
     metric_names = ("contrastive_accuracy",)
 
-    def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, hidden_dim: int | None = None, temperature: float = 0.2,
+    settings = ("projection_dim", "projection_hidden_dim", "temperature")
+
+    def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, projection_hidden_dim: int = 0, temperature: float = 0.2,
                  norm: NormSettings = NormSettings(synchronized=True), **kwargs):
         super().__init__(encoder, **kwargs)
-        self.projector = mlp_head(hidden_dim or self.feature_dim, projection_dim, norm, "projector", self.feature_dim)
+        self.projector = mlp_head(projection_hidden_dim or self.feature_dim, projection_dim, norm, "projector", self.feature_dim)
         self.temperature = temperature
 
-    @classmethod
-    def from_run_config(cls, encoder, config, **common):
-        return cls(encoder, projection_dim=config.projection_dim, hidden_dim=config.projection_hidden_dim or None,
-                   temperature=config.temperature, **common)
 
     def ssl_loss(self, features, batch_size, targets):
         projections = self.projector(features, training=True)

@@ -1,6 +1,6 @@
 """`TwoViewModel`: what every two-view self-supervised method shares, as a `keras.Model` for `fit()`.
 
-A method (SimCLR, BYOL, VICReg, Barlow Twins, MoCo v3) is a subclass that builds its heads and
+A method is a subclass that builds its heads, names the `Config` settings it takes (`settings`) and
 defines `ssl_loss`; everything else is here, written once:
 
 * two augmented views per image, drawn in the step from a seed that folds in the run seed,
@@ -51,13 +51,16 @@ class TwoViewModel(keras.Model):
         num_classes: size of the online linear probe (0: no probe).
         augment_config: augmentation strengths of the views.
         seed: the run seed augmentation streams derive from.
+        total_steps: the run's optimizer steps (the length of a method's schedules).
     """
 
     metric_names: tuple[str, ...] = ()  # the method's own loss terms, tracked as metrics beside `loss`
+    settings: tuple[str, ...] = ()  # the `Config` fields the method reads: constructor arguments of the same names
 
     def __init__(self, encoder: keras.Model, *, num_classes: int = 0, augment_config: augment.AugmentConfig = augment.AugmentConfig(),
-                 seed: int = 0, **kwargs):
+                 seed: int = 0, total_steps: int = 1000, **kwargs):
         super().__init__(**kwargs)
+        self.total_steps = total_steps
         self.encoder = encoder
         self.feature_dim = encoder.output_shape[-1]
         self.probe = keras.layers.Dense(num_classes, dtype="float32", name="online_probe") if num_classes else None
@@ -70,6 +73,11 @@ class TwoViewModel(keras.Model):
         self.probe_loss_tracker = keras.metrics.Mean(name="probe_loss")
         self.probe_accuracy = keras.metrics.SparseCategoricalAccuracy(name="probe_accuracy")
         self._compiled_views = None  # set by compile(jit_compile=True) on several mirrored replicas
+
+    @classmethod
+    def from_run_config(cls, encoder: keras.Model, config, **common) -> "TwoViewModel":
+        """The method with a run's settings (`settings`, by name); `common` are `TwoViewModel`'s arguments."""
+        return cls(encoder, **{name: getattr(config, name) for name in cls.settings}, **common)
 
     # ------------------------------------------------------------------ what a method defines
 

@@ -22,26 +22,22 @@ class VICReg(TwoViewModel):
     Args:
         encoder: a Keras model, images -> [batch, features].
         projection_dim: output size of the projector ("expander").
-        hidden_dim: its hidden size (default: the feature size).
+        projection_hidden_dim: its hidden size (default: the feature size).
         invariance_weight, variance_weight, covariance_weight: the loss terms' weights (paper: 25, 25, 1).
         norm: BatchNorm settings of the projector.
         **kwargs: `TwoViewModel`'s arguments.
     """
 
     metric_names = ("invariance", "variance", "covariance")
+    settings = ("projection_dim", "projection_hidden_dim", "invariance_weight", "variance_weight", "covariance_weight")
 
-    def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, hidden_dim: int | None = None,
+    def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, projection_hidden_dim: int = 0,
                  invariance_weight: float = 25.0, variance_weight: float = 25.0, covariance_weight: float = 1.0,
                  norm: NormSettings = NormSettings(synchronized=True), **kwargs):
         super().__init__(encoder, **kwargs)
-        self.projector = mlp_head(hidden_dim or self.feature_dim, projection_dim, norm, "projector", self.feature_dim)
+        self.projector = mlp_head(projection_hidden_dim or self.feature_dim, projection_dim, norm, "projector", self.feature_dim)
         self.weights_of_terms = (invariance_weight, variance_weight, covariance_weight)
 
-    @classmethod
-    def from_run_config(cls, encoder, config, **common):
-        return cls(encoder, projection_dim=config.projection_dim, hidden_dim=config.projection_hidden_dim or None,
-                   invariance_weight=config.invariance_weight, variance_weight=config.variance_weight,
-                   covariance_weight=config.covariance_weight, **common)
 
     def ssl_loss(self, features, batch_size, targets):
         projections = self.projector(features, training=True)
@@ -54,24 +50,21 @@ class BarlowTwins(TwoViewModel):
     Args:
         encoder: a Keras model, images -> [batch, features].
         projection_dim: output size of the projector.
-        hidden_dim: its hidden size (default: the feature size).
+        projection_hidden_dim: its hidden size (default: the feature size).
         redundancy_weight: weight of the off-diagonal terms (paper: 0.0051 for 8192 dimensions).
         norm: BatchNorm settings of the projector.
         **kwargs: `TwoViewModel`'s arguments.
     """
 
     metric_names = ("on_diagonal", "off_diagonal")
+    settings = ("projection_dim", "projection_hidden_dim", "redundancy_weight")
 
-    def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, hidden_dim: int | None = None,
+    def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, projection_hidden_dim: int = 0,
                  redundancy_weight: float = 0.0051, norm: NormSettings = NormSettings(synchronized=True), **kwargs):
         super().__init__(encoder, **kwargs)
-        self.projector = mlp_head(hidden_dim or self.feature_dim, projection_dim, norm, "projector", self.feature_dim)
+        self.projector = mlp_head(projection_hidden_dim or self.feature_dim, projection_dim, norm, "projector", self.feature_dim)
         self.redundancy_weight = redundancy_weight
 
-    @classmethod
-    def from_run_config(cls, encoder, config, **common):
-        return cls(encoder, projection_dim=config.projection_dim, hidden_dim=config.projection_hidden_dim or None,
-                   redundancy_weight=config.redundancy_weight, **common)
 
     def ssl_loss(self, features, batch_size, targets):
         projections = self.projector(features, training=True)

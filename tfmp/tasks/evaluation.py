@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from tfmp import compilation
+from tfmp import compilation, tasks
 from tfmp import data as tfmp_data
 from tfmp.config import Config, UsageError
 from tfmp.models import export
 from tfmp.report import Phase, Phases
 from tfmp.run_directory import RunDirectory
+from tfmp.runtime import Runtime
 from tfmp.ssl import probes
-from tfmp.tasks.stage import check_batch_fits, jit_compile
+from tfmp.tasks.stage import check_batch_fits
 from tfmp.tasks.supervised import fit_classifier
 
 EVAL_BATCH = 256
@@ -47,7 +47,7 @@ def mean_over_draws(per_draw: list[dict]) -> dict:
     return summary
 
 
-def evaluate_over_draws(config: Config, data: tfmp_data.ImageData, encoder: keras.Model, xla: bool = False) -> dict:
+def evaluate_over_draws(config: Config, data: tfmp_data.ImageData, encoder: keras.Model, jit_compile: bool = False) -> dict:
     """Linear probe and kNN on each of `--label_draws` label subsets, averaged.
 
     Features are computed once: the test split's, and the train split's at the union of every
@@ -56,9 +56,9 @@ def evaluate_over_draws(config: Config, data: tfmp_data.ImageData, encoder: kera
     draws = [labeled_indices(config, data, draw) for draw in range(config.label_draws)]
     union = np.unique(np.concatenate(draws))  # sorted: the pipeline yields them in this order
     train_features, train_labels = probes.extract_features(
-        encoder, tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=union), xla)
+        encoder, tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=union), jit_compile)
     test_features, test_labels = probes.extract_features(
-        encoder, tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False), xla)
+        encoder, tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False), jit_compile)
     per_draw = []
     compiled = compilation.CompiledOnce()  # one traced probe step for all the draws
     for labeled in draws:
@@ -67,7 +67,7 @@ def evaluate_over_draws(config: Config, data: tfmp_data.ImageData, encoder: kera
         per_draw.append({
             "linear_probe_accuracy": probes.linear_probe(features, labels, test_features, test_labels, data.num_classes,
                                                          epochs=config.probe_epochs, learning_rate=config.probe_learning_rate,
-                                                         seed=config.seed, jit_compile=xla, compiled=compiled),
+                                                         seed=config.seed, jit_compile=jit_compile, compiled=compiled),
             "knn_accuracy": probes.knn_accuracy(features, labels, test_features, test_labels, data.num_classes),
         })
     return {"labeled_examples": int(len(draws[0])), **mean_over_draws(per_draw)}
@@ -106,20 +106,25 @@ def phases(config: Config) -> list[Phase]:
     return [evaluation_phase(config)]
 
 
-def linear_eval(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, directory: RunDirectory,
+def linear_eval(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: RunDirectory,
                 extra_callbacks=(), progress: Phases | None = None) -> dict:
     """`--task=linear_eval --encoder=PATH`: linear probe and kNN of a saved encoder."""
     (progress or Phases(phases(config))).start(0)
     encoder = load_encoder(config.encoder)  # checked by check_encoder_inputs before the run started
-    return {"encoder": config.encoder, **evaluate_over_draws(config, data, encoder, jit_compile(config, strategy))}
+    return {"encoder": config.encoder, **evaluate_over_draws(config, data, encoder, runtime.jit_compile)}
 
 
-def finetune(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, directory: RunDirectory,
+def finetune(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: RunDirectory,
              extra_callbacks=(), progress: Phases | None = None) -> dict:
     """`--task=finetune --encoder=PATH`: train the saved encoder + a linear head on the labeled fraction."""
     (progress or Phases(phases(config))).start(0)
-    with strategy.scope():
-        encoder = export.adopt(load_encoder(config.encoder))  # back to tfmp's fused BatchNorm for training
+    with runtime.strategy.scope():
+        # back to tfmp's fused BatchNorm and Conv2D for training
+        encoder = export.adopt(load_encoder(config.encoder), conv_weight_gradient=runtime.conv_weight_gradient)
     labeled = labeled_indices(config, data)
-    metrics = fit_classifier(config, data, strategy, directory, indices=labeled, encoder=encoder, extra_callbacks=extra_callbacks)
+    metrics = fit_classifier(config, data, runtime, directory, indices=labeled, encoder=encoder, extra_callbacks=extra_callbacks)
     return {"encoder": config.encoder, "labeled_examples": int(len(labeled)), **metrics}
+
+
+LINEAR_EVAL = tasks.Task(linear_eval, check_encoder_inputs, phases)
+FINETUNE = tasks.Task(finetune, check_encoder_inputs, phases)

@@ -1,6 +1,6 @@
-"""`--task=simclr|byol|vicreg|barlow_twins|mocov3`: self-supervised pretraining and its measurement.
+"""`--task=<an SSL method>`: self-supervised pretraining and its measurement.
 
-One task for every method of `tfmp.ssl.METHODS`: pretrain on the train split's images (labels
+One task for every method of `tfmp.registry.SSL_METHODS`: pretrain on the train split's images (labels
 hidden, but for the labeled fraction the online probe may see), save `WORKDIR/encoder.keras`,
 measure the frozen encoder with a linear probe and kNN on `--label_fraction` of the train labels
 (`--label_draws` draws), and, with `--compare_supervised`, train the same architecture from
@@ -14,20 +14,20 @@ import logging
 import time
 
 import numpy as np
-import tensorflow as tf
 
 from tfmp import data as tfmp_data
-from tfmp import compilation, distribute, models, optimizers, ssl
+from tfmp import compilation, distribute, optimizers, registry, tasks
 from tfmp.config import Config
 from tfmp.data.augment import AugmentConfig
 from tfmp.diagnostics import flops
 from tfmp.models import export
 from tfmp.report import Phase, Phases
 from tfmp.run_directory import RunDirectory
+from tfmp.runtime import Runtime
 from tfmp.ssl import guard, probes
 from tfmp.tasks.evaluation import (EVAL_BATCH, check_label_draws, evaluate_over_draws, evaluation_phase, labeled_indices,
                                    mean_over_draws)
-from tfmp.tasks.stage import (apply_float32_layers, check_batch_fits, check_model_fits, fit_stage, jit_compile, norm_settings,
+from tfmp.tasks.stage import (apply_float32_layers, build_encoder, check_batch_fits, check_model_fits, fit_stage, norm_settings,
                               steps_per_execution)
 from tfmp.tasks.supervised import baseline_config, fit_classifier
 
@@ -61,20 +61,19 @@ def check_inputs(config: Config, data: tfmp_data.ImageData) -> None:
     check_model_fits(config, data)
 
 
-def build_method(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, total_steps: int):
+def build_method(config: Config, data: tfmp_data.ImageData, runtime: Runtime, total_steps: int):
     """The method `--task` names around a new encoder, built and compiled in the strategy's scope."""
-    norm = norm_settings(config, strategy)
-    with strategy.scope():
-        encoder = models.build_encoder(config.model, data.image_shape, norm, remat=config.remat)
-        method = ssl.METHODS[config.task]
-        schedule = {"total_steps": total_steps} if issubclass(method, ssl.MomentumTwoViewModel) else {}
-        model = method.from_run_config(encoder, config, num_classes=data.num_classes, norm=norm,
-                                       augment_config=augment_config(config), seed=config.seed, **schedule)
+    norm = norm_settings(config, runtime)
+    with runtime.strategy.scope():
+        encoder = build_encoder(config, runtime, data.image_shape)
+        model = registry.SSL_METHODS.load(config.task).from_run_config(
+            encoder, config, num_classes=data.num_classes, norm=norm, augment_config=augment_config(config), seed=config.seed,
+            total_steps=total_steps)
         model.build((None, *data.image_shape))
         apply_float32_layers(model, config)
         steps_per_epoch = total_steps // config.epochs
-        model.compile(optimizer=optimizers.make_optimizer(config, steps_per_epoch), jit_compile=jit_compile(config, strategy),
-                      steps_per_execution=steps_per_execution(config, steps_per_epoch, strategy))
+        model.compile(optimizer=optimizers.make_optimizer(config, steps_per_epoch), jit_compile=runtime.jit_compile,
+                      steps_per_execution=steps_per_execution(config, steps_per_epoch, runtime))
     return model
 
 
@@ -87,7 +86,7 @@ def phases(config: Config) -> list[Phase]:
     return plan
 
 
-def run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, directory: RunDirectory,
+def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: RunDirectory,
         extra_callbacks=(), progress: Phases | None = None) -> dict:
     """Pretrain with `--task`'s method, save the encoder, probe it, and (optionally) train the baseline."""
     progress = progress or Phases(phases(config))
@@ -96,7 +95,7 @@ def run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strat
     count = len(images) if indices is None else len(indices)
     total_steps = config.epochs * (count // config.global_batch_size)
     labeled = labeled_indices(config, data)
-    model = build_method(config, data, strategy, total_steps)
+    model = build_method(config, data, runtime, total_steps)
     encoder = model.encoder
 
     warnings = guard.check(count, config.epochs, config.global_batch_size, encoder.count_params())
@@ -110,14 +109,14 @@ def run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strat
                                                  indices=indices, visible_labels=visible)
     knn = probes.KNNMonitor(encoder, tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=labeled),
                             tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False), data.num_classes,
-                            every_epochs=config.knn_every_epochs, jit_compile=jit_compile(config, strategy))
+                            every_epochs=config.knn_every_epochs, jit_compile=runtime.jit_compile)
     plateau = guard.PlateauWatch(stop=config.stop_on_plateau)
     started = time.perf_counter()
     results = fit_stage(model, pretrain, config, directory, global_batch_size=config.global_batch_size,
                         monitors=[knn, plateau], extra_callbacks=extra_callbacks,
                         # two views through the encoder, forward + backward (the heads are not counted)
                         flops_per_example=2 * 3 * flops.forward_flops_per_example(encoder, data.image_shape))
-    if distribute.is_chief(strategy):
+    if runtime.chief:
         # Keras' own layers only, so the file loads without tfmp (tfmp.models.export).
         export.portable(encoder).save(directory.encoder_file)
 
@@ -130,7 +129,7 @@ def run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strat
         "small_data_warnings": warnings,
         "knn_curve": plateau.curve,  # (epoch, kNN accuracy) of every measurement in this process
         "encoder_dtype_policy": encoder.dtype_policy.name,
-        **evaluate_over_draws(config, data, encoder, jit_compile(config, strategy)),
+        **evaluate_over_draws(config, data, encoder, runtime.jit_compile),
     }
     # Seconds per phase, so a comparison of methods can leave out the (shared) baseline.
     metrics.update(pretrain_seconds=round(pretrained - started, 2), evaluation_seconds=round(time.perf_counter() - pretrained, 2))
@@ -143,7 +142,7 @@ def run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strat
             # Seeded per draw: the baseline's initialisation must not depend on how much randomness the
             # method (or a resumption) used before it, so every method's run compares with the same baseline.
             distribute.set_seed(config.seed + draw)
-            baseline = fit_classifier(baseline_config(config), data, strategy, directory.stage("baseline", f"draw{draw}"),
+            baseline = fit_classifier(baseline_config(config), data, runtime, directory.stage("baseline", f"draw{draw}"),
                                       indices=labeled_indices(config, data, draw), validate_every=config.baseline_epochs,
                                       quiet=True, compiled=compiled)
             per_draw.append({"supervised_baseline_accuracy": baseline["eval_accuracy"]})
@@ -154,3 +153,6 @@ def run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strat
         logger.warning("small-data guard: %s", warning)
     metrics["small_data_warnings"] = warnings + verdict
     return metrics
+
+
+TASK = tasks.Task(run, check_inputs, phases, views=2)

@@ -18,10 +18,11 @@ import keras
 import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import compilation, models, precision
+from tfmp import models, precision
 from tfmp.config import Config, UsageError
 from tfmp.diagnostics import flops
 from tfmp.run_directory import RunDirectory
+from tfmp.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -39,19 +40,20 @@ def verbosity() -> int:
     return 1 if sys.stdout.isatty() else 2
 
 
-def norm_settings(config: Config, strategy: tf.distribute.Strategy) -> models.NormSettings:
+def norm_settings(config: Config, runtime: Runtime) -> models.NormSettings:
     """The one rule for BatchNorm in every task: synchronized across replicas whenever there are several.
 
     Keras keeps a plain BatchNorm's moving statistics per replica, so the replicas' copies drift
     apart (tests/test_guards.py); and in SSL a replica could tell its own images apart by their
     local batch statistics. On one replica synchronizing changes nothing and costs a code path.
     """
-    return models.NormSettings(momentum=config.bn_momentum, synchronized=strategy.num_replicas_in_sync > 1)
+    return models.NormSettings(bn_momentum=config.bn_momentum, synchronized=runtime.num_replicas > 1)
 
 
-def jit_compile(config: Config, strategy: tf.distribute.Strategy) -> bool:
-    """Whether this run's steps compile with XLA (`--jit_compile`, resolved for the strategy's devices)."""
-    return compilation.resolve(config.jit_compile, strategy.num_replicas_in_sync)[0]
+def build_encoder(config: Config, runtime: Runtime, image_shape: tuple[int, int, int]) -> keras.Model:
+    """`--model` for images of `image_shape`, as every task builds it (call inside the strategy's scope)."""
+    return models.build_encoder(config.model, image_shape, norm_settings(config, runtime), remat=config.remat,
+                                conv_weight_gradient=runtime.conv_weight_gradient)
 
 
 MAX_AUTO_STEPS_PER_EXECUTION = 64
@@ -62,19 +64,17 @@ def largest_divisor_at_most(count: int, limit: int) -> int:
     return max(divisor for divisor in range(1, min(count, limit) + 1) if count % divisor == 0)
 
 
-def steps_per_execution(config: Config, steps_per_epoch: int, strategy: tf.distribute.Strategy) -> int:
+def steps_per_execution(config: Config, steps_per_epoch: int, runtime: Runtime) -> int:
     """Steps per compiled call for an epoch of `steps_per_epoch` steps (`--steps_per_execution`).
 
     A divisor of the epoch, so that every execution is full and the batch indices callbacks see
     are the true step counts (Keras reports an execution's planned last step even when the epoch
     ends inside it). Left to auto, it is also at most `--checkpoint_every_steps`, so checkpoints
-    (and the NaN guard's restore point) keep the cadence asked for. On the digits SimCLR preset
-    one call per 11-step epoch measured 13% less time per step than one call per step
-    (BUILD_NOTES "Performance, round two").
+    (and the NaN guard's restore point) keep the cadence asked for.
 
     One step a call under MultiWorkerMirroredStrategy: Keras 3.15's multi-step loop fails there
     (InvalidArgumentError at a placeholder of its `has_next` condition, two workers on 127.0.0.1)."""
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    if isinstance(runtime.strategy, tf.distribute.MultiWorkerMirroredStrategy):
         if config.steps_per_execution > 1:
             logger.warning("--steps_per_execution=%d: one step a call under multi_worker_mirrored (Keras' multi-step loop "
                            "fails there)", config.steps_per_execution)
@@ -102,19 +102,14 @@ def loss_scale_metrics(optimizer) -> dict:
     return {"loss_scale": scale, "skipped_steps": precision.skipped_steps(optimizer)}
 
 
-def run_callbacks(config: Config, directory: RunDirectory, monitors=(), validation: bool = False):
+def run_callbacks(config: Config, directory: RunDirectory, monitors=(), validation: bool = False) -> tfmp_callbacks.RunCallbacks:
     """tfmp's callbacks for one training stage in `directory` (its settings are `Config`'s fields by name)."""
     return tfmp_callbacks.default_callbacks(directory, monitors=monitors, validation=validation,
                                             **{name: getattr(config, name) for name in CALLBACK_SETTINGS})
 
 
-def find(callbacks, kind):
-    return next(callback for callback in callbacks if isinstance(callback, kind))
-
-
-def raise_if_failed(callbacks, losses: list[float]) -> None:
+def raise_if_failed(guard: tfmp_callbacks.NaNGuard, losses: list[float]) -> None:
     """Raises TrainingFailed with the NaN guard's diagnosis when training diverged."""
-    guard = find(callbacks, tfmp_callbacks.NaNGuard)
     if guard.diagnosis:
         raise TrainingFailed(guard.diagnosis)
     if losses and not math.isfinite(losses[-1]):  # e.g. the guard disabled with --nan_retries=0 and a finite restore
@@ -151,12 +146,12 @@ def fit_stage(model: keras.Model, dataset: tf.data.Dataset, config: Config, dire
     callbacks = run_callbacks(config, directory, monitors, validation=validation_data is not None)
     throughput = tfmp_callbacks.Throughput(global_batch_size)
     history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch, validation_data=validation_data,
-                        validation_freq=validate_every, callbacks=[throughput, *callbacks, *extra_callbacks], shuffle=False,
+                        validation_freq=validate_every, callbacks=[throughput, *callbacks.as_list(), *extra_callbacks], shuffle=False,
                         verbose=0 if quiet and not config.verbose else verbosity())
     # A stage that had already finished trains no epoch: its last loss is in its history.csv.
     losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(directory.history_file)[-1:]]
-    raise_if_failed(callbacks, losses)
-    checkpointing = find(callbacks, tfmp_callbacks.Checkpointing)
+    raise_if_failed(callbacks.guard, losses)
+    checkpointing = callbacks.checkpointing
     utilisation = {} if flops_per_example is None else flops.utilisation(flops_per_example, throughput.examples_per_second,
                                                                           precision.global_policy_name())
     return {

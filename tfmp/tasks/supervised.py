@@ -10,23 +10,23 @@ from __future__ import annotations
 import logging
 
 import keras
-import tensorflow as tf
 
 from tfmp import data as tfmp_data
-from tfmp import compilation, models, optimizers
+from tfmp import compilation, models, optimizers, tasks
 from tfmp.config import Config
 from tfmp.diagnostics import flops
 from tfmp.report import Phase, Phases
 from tfmp.run_directory import RunDirectory
-from tfmp.tasks.stage import (apply_float32_layers, check_batch_fits, check_model_fits, fit_stage, jit_compile, largest_divisor_at_most,
-                              norm_settings, steps_per_execution)
+from tfmp.runtime import Runtime
+from tfmp.tasks.stage import (apply_float32_layers, build_encoder, check_batch_fits, check_model_fits, fit_stage, largest_divisor_at_most,
+                              steps_per_execution)
 
 logger = logging.getLogger(__name__)
 
 MAX_GROUPED_EPOCHS = 50  # one-step epochs per `fit()` epoch (see fit_classifier)
 
 
-def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, directory: RunDirectory, *,
+def fit_classifier(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: RunDirectory, *,
                    indices=None, encoder: keras.Model | None = None, extra_callbacks=(), validate_every: int = 1,
                    quiet: bool = False, compiled: compilation.CompiledOnce | None = None) -> dict:
     """Trains encoder + linear classifier on the train split (or its `indices`); evaluates on test.
@@ -34,7 +34,7 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
     Args:
         config: the stage's config (optimizer, learning rate, epochs, batch, ...).
         data: the data set.
-        strategy: the distribution strategy.
+        runtime: the run's decisions (strategy, XLA, conv weight gradient).
         directory: this stage's `checkpoints/` and `tensorboard/` go here; a rerun resumes.
         indices: train on this subset only (e.g. the labeled fraction). A global batch
             larger than the subset is reduced to fit it.
@@ -51,7 +51,7 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
     Returns:
         `fit_stage`'s figures plus `eval_accuracy` and `eval_loss` on the test split.
     """
-    replicas = strategy.num_replicas_in_sync
+    replicas = runtime.num_replicas
     count = len(data.train) if indices is None else len(indices)
     batch = config.global_batch_size
     if indices is not None and batch > count:
@@ -65,8 +65,8 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
     # the examples, reshuffled, and the schedule counts the same steps), without paying Keras'
     # and tfmp's per-epoch work (iterator, callbacks, an epoch checkpoint) 200 times per stage.
     group = largest_divisor_at_most(config.epochs, MAX_GROUPED_EPOCHS) if steps_per_epoch == 1 else 1
-    with strategy.scope():
-        encoder = encoder or models.build_encoder(config.model, data.image_shape, norm_settings(config, strategy), remat=config.remat)
+    with runtime.strategy.scope():
+        encoder = encoder or build_encoder(config, runtime, data.image_shape)
         model = models.build_classifier(encoder, data.num_classes)
         apply_float32_layers(model, config)
 
@@ -75,8 +75,8 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, strategy: tf.distr
                 optimizer=optimizers.make_optimizer(config, steps_per_epoch),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-                jit_compile=compilation.for_keras(jit_compile(config, strategy), strategy),
-                steps_per_execution=steps_per_execution(config, steps_per_epoch * group, strategy),
+                jit_compile=runtime.keras_jit_compile,
+                steps_per_execution=steps_per_execution(config, steps_per_epoch * group, runtime),
             )
 
         if compiled is None:
@@ -114,8 +114,11 @@ def phases(config: Config) -> list[Phase]:
     return [Phase(f"train {config.model}, {config.epochs} epochs", "training")]
 
 
-def run(config: Config, data: tfmp_data.ImageData, strategy: tf.distribute.Strategy, directory: RunDirectory,
+def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: RunDirectory,
         extra_callbacks=(), progress: Phases | None = None) -> dict:
     """`--task=supervised`: encoder + linear classifier on all train labels."""
     (progress or Phases(phases(config))).start(0)
-    return fit_classifier(config, data, strategy, directory, extra_callbacks=extra_callbacks)
+    return fit_classifier(config, data, runtime, directory, extra_callbacks=extra_callbacks)
+
+
+TASK = tasks.Task(run, check_inputs, phases)

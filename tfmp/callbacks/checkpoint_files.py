@@ -1,0 +1,77 @@
+"""Checkpoint files on disk: which exist, which read completely, and a `checkpoint` state file repaired.
+
+Checkpoints are found from their index files (`ckpt-<step>.index`), not from the `checkpoint`
+state file, which a crash or a bad disk can leave unreadable; each is read completely before
+anything is restored, so a damaged one is skipped whole and never restored in part. No Keras here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import tensorflow as tf
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "ckpt"
+STATE_FILE = "checkpoint"  # tf.train's name for the file listing a directory's checkpoints
+_INDEX = re.compile(rf"^{PREFIX}-(\d+)\.index$")
+
+
+def find_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path prefix) of every checkpoint whose index file is in `directory`, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = [(int(match.group(1)), os.path.join(directory, f"{PREFIX}-{match.group(1)}"))
+             for match in map(_INDEX.match, os.listdir(directory)) if match]
+    return sorted(found)
+
+
+def unreadable_reason(path: str) -> str | None:
+    """Why the checkpoint at `path` cannot be read completely, or None when every tensor reads.
+
+    A crash, a full disk or a bad copy can leave a truncated data file behind an intact index,
+    a garbage index, an empty file or a missing shard; each fails in its own way."""
+    try:
+        reader = tf.train.load_checkpoint(path)
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
+    except Exception as error:  # noqa: BLE001 — OpError, IndexError, DataLossError, ...
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"{type(error).__name__}: {first_line}"[:160]
+    return None
+
+
+def _state_file_readable(directory: str) -> bool:
+    try:
+        tf.train.get_checkpoint_state(directory)
+    except Exception:  # noqa: BLE001 — garbage bytes raise UnicodeDecodeError or a text-proto ParseError
+        return False
+    return True
+
+
+def newest_readable(directory: str) -> tuple[str | None, list[str]]:
+    """The newest checkpoint in `directory` that reads completely (or None), and the newer ones skipped, with why."""
+    skipped = []
+    for _, path in reversed(find_checkpoints(directory)):
+        reason = unreadable_reason(path)
+        if reason is None:
+            return path, skipped
+        skipped.append(f"{os.path.basename(path)} ({reason})")
+    return None, skipped
+
+
+def set_aside_unreadable_state_file(directory: str) -> None:
+    """An unreadable `checkpoint` state file would stop `tf.train.CheckpointManager`; it is moved to
+    `checkpoint.unreadable` (kept for inspection) and rewritten from the index files found."""
+    state = os.path.join(directory, STATE_FILE)
+    if not os.path.exists(state) or _state_file_readable(directory):
+        return
+    os.replace(state, f"{state}.unreadable")
+    found = [path for _, path in find_checkpoints(directory)]
+    if found:
+        tf.compat.v1.train.update_checkpoint_state(directory, found[-1], all_model_checkpoint_paths=found)
+    logger.warning("checkpoint state file %s was unreadable: moved to %s.unreadable and rebuilt from %d index file(s)",
+                   state, STATE_FILE, len(found))

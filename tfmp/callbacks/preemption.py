@@ -1,0 +1,82 @@
+"""The checkpoint taken on SIGTERM (a preemption notice) or Ctrl-C, and the `Preempted` stop that follows."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import keras
+
+from tfmp.callbacks.checkpointing import Checkpointing
+
+logger = logging.getLogger(__name__)
+
+
+class Preempted(RuntimeError):
+    """SIGTERM or Ctrl-C (SIGINT) arrived during training; the current step was checkpointed.
+
+    Attributes:
+        signal_number: the signal that stopped training (the CLI exits with 128 + it: 143, 130).
+    """
+
+    def __init__(self, message: str, signal_number: int):
+        super().__init__(message)
+        self.signal_number = signal_number
+
+
+class PreemptionCheckpoint(keras.callbacks.Callback):
+    """On SIGTERM (the preemption notice of TPU VMs, spot GPUs, Kubernetes) or Ctrl-C, saves a
+    checkpoint of the current step at the next step end and stops with `Preempted`.
+
+    The handler only sets a flag, so the step in flight finishes cleanly; rerunning the same
+    command resumes from that checkpoint. A second Ctrl-C before that step ends interrupts at
+    once (Python's own KeyboardInterrupt), for a step that never ends. Ctrl-C is left alone
+    where the process was told to ignore it (`nohup`, `SIG_IGN`). Installed for the duration
+    of `fit()` when `fit()` runs in the main thread (Python delivers signals only there;
+    elsewhere it says so once), the previous handlers restored afterwards. Single-process runs
+    only: multi-worker runs need every worker to save at the same step, which is what TF's
+    `PreemptionCheckpointHandler` coordinates (not wired in yet).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, checkpointing: Checkpointing):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.requested: int | None = None  # the signal received, if any
+        self._previous: dict = {}
+
+    def _request(self, signum, frame):
+        if signum == signal.SIGINT and self.requested == signal.SIGINT:
+            self._uninstall()  # the second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.requested = signum
+
+    def _uninstall(self):
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    def on_train_begin(self, logs=None):
+        self.requested = None
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("PreemptionCheckpoint: fit() runs outside the main thread, where Python cannot receive SIGTERM or "
+                           "Ctrl-C; a preempted run resumes from its last regular checkpoint")
+            return
+        for number in self.SIGNALS:
+            if signal.getsignal(number) is not signal.SIG_IGN:
+                self._previous[number] = signal.signal(number, self._request)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.requested is None:
+            return
+        self._uninstall()
+        saved = self.checkpointing.save_now(logs)
+        name = "SIGTERM" if self.requested == signal.SIGTERM else "Ctrl-C (SIGINT)"
+        raise Preempted(f"{name} at step {self.checkpointing.step}: "
+                        + ("checkpoint saved" if saved else "state not saved, last good checkpoint kept")
+                        + "; rerun the same command to resume", self.requested)
+
+    def on_train_end(self, logs=None):
+        self._uninstall()

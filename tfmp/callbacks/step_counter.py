@@ -1,0 +1,40 @@
+"""`StepCounter`: the training steps a run has taken, across resumptions (the number checkpoints carry)."""
+
+from __future__ import annotations
+
+import keras
+
+
+class StepCounter(keras.callbacks.Callback):
+    """Training steps this run has taken, across resumptions (the number checkpoints carry).
+
+    Counted from the batch indices `fit()` passes to callbacks, which also counts right with
+    `steps_per_execution > 1`, rather than read from `model.optimizer.iterations`: a model whose
+    `train_step` steps its own optimizers leaves that one at 0.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+        self.previous_step = 0  # the count before the last batch end: steps_per_execution steps ago
+        self._epoch_start = 0
+        self._batch = -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = self.step
+        self._batch = -1
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batch = batch
+        self.previous_step, self.step = self.step, self._epoch_start + batch + 1
+
+    def crossed(self, every: int) -> bool:
+        """Whether the last batch end passed a multiple of `every` steps (0: never). With
+        `steps_per_execution > 1` callbacks see one batch end per execution, so "step % every == 0"
+        would miss most multiples."""
+        return bool(every) and self.step // every > self.previous_step // every
+
+    def rewind(self, step: int) -> None:
+        """Sets the count to `step` (a restored checkpoint's) at the current batch: the next batch is step + 1."""
+        self.step = self.previous_step = step
+        self._epoch_start = step - self._batch - 1
