@@ -78,6 +78,22 @@ def test_bench_usage_error(capsys):
     assert "unknown remat mode 'everything'; valid: none, blocks, full" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("child_code", [-6, 1])
+def test_bench_exits_non_zero_when_a_configuration_fails(monkeypatch, capsys, child_code):
+    """A child measuring one configuration that aborts (SIGABRT: -6) or fails is an error, named, not a silent 0."""
+    outcomes = iter([child_code, 0])
+
+    def fake_run(command, **kwargs):
+        code = next(outcomes)
+        return subprocess.CompletedProcess(command, code, stdout="" if code else '{"images_per_second": 1.0}\n')
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    assert bench.main(["tfmp.bench", "--model=small_cnn", "--precision=float32,float32"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    ended = "signal 6" if child_code < 0 else "exit code 1"
+    assert errors == [f"tfmp.bench: error: float32, remat none failed ({ended}); no measurement for it"]
+
+
 @pytest.mark.slow  # 20 s: the matrix script around tfmp.bench, whose per-line output the default suite tests
 def test_benchmark_matrix_writes_results_summary_and_chart(tmp_path):
     script = os.path.join(REPO, "experiments", "benchmarks", "run_benchmarks.py")

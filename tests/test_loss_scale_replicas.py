@@ -56,6 +56,9 @@ def test_fit_skips_the_step_on_every_replica(overflowing_replica, hysteresis, ex
     strategy = distribute.get_strategy("mirrored")
     assert strategy.num_replicas_in_sync == 2
     model = _fp16_model(strategy, hysteresis)
+    # One applied step first: before it, every overflow halves the scale (the start's search), whatever the hysteresis.
+    model.fit(np.ones((GLOBAL_BATCH, 4), np.float32), np.zeros((GLOBAL_BATCH, 1), np.float32), batch_size=GLOBAL_BATCH,
+              epochs=1, shuffle=False, verbose=0)
     before = model.get_weights()
     model.fit(*_batch(overflowing_replica), batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
     _assert_skipped_everywhere(model, before, expected_scale)

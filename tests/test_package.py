@@ -99,3 +99,13 @@ def test_no_line_of_the_project_is_longer_than_its_limit():
         with open(os.path.join(REPO, path), encoding="utf-8") as file:
             long_lines += [f"{path}:{number}" for number, line in enumerate(file, 1) if len(line.rstrip("\n")) > limit]
     assert tracked and long_lines == []
+
+
+def test_import_tfmp_works_beside_a_folder_named_tfmp(tmp_path):
+    """Colab's layout: the clone in /content/tfmp, the notebook in /content. The folder must not shadow the package."""
+    (tmp_path / "tfmp").mkdir()
+    (tmp_path / "tfmp" / "README.md").write_text("a clone's top folder, not a package\n")
+    result = subprocess.run([sys.executable, "-c", "import tfmp; print(tfmp.__version__, tfmp.config.Config().task)"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert result.stdout.split() == [tfmp.__version__, "supervised"]

@@ -140,8 +140,34 @@ def test_dynamic_scale_never_drops_below_min_scale():
         np.testing.assert_array_equal(old, variable.numpy())
 
 
+def test_before_its_first_applied_step_the_scale_halves_on_every_overflow():
+    model, optimizer = _fp16_model_and_optimizer(initial_loss_scale=64.0, hysteresis=3)
+    for expected in (32.0, 16.0, 8.0):
+        _apply(optimizer, model, np.inf)
+        assert precision.current_loss_scale(optimizer) == expected
+    _apply(optimizer, model, 0.0)  # the first applied step: hysteresis from now on
+    _apply(optimizer, model, np.inf)
+    assert precision.current_loss_scale(optimizer) == 8.0
+
+
+def test_an_overflowing_start_skips_no_more_steps_than_keras_own_optimizer():
+    """The same script with Keras' LossScaleOptimizer and tfmp's: gradients overflow fp16 until the scale is low."""
+    precision.set_policy("mixed_float16")
+    x, y = np.full((96, 4), 30.0, np.float32), np.zeros((96, 1), np.float32)
+    skipped = {}
+    for name, wrap in (("keras", keras.optimizers.LossScaleOptimizer), ("tfmp", precision.wrap_optimizer)):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, kernel_initializer="ones"),
+                                  keras.layers.Dense(1, dtype="float32", kernel_initializer="ones")])
+        model.compile(optimizer=wrap(keras.optimizers.SGD(1e-9)), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        skipped[name] = 12 - int(model.optimizer.iterations.numpy())  # steps taken minus steps applied
+    assert 0 < skipped["tfmp"] <= skipped["keras"], skipped
+
+
 def test_hysteresis_delays_halving_until_consecutive_overflows():
     model, optimizer = _fp16_model_and_optimizer(initial_loss_scale=64.0, hysteresis=3)
+    _apply(optimizer, model, 0.0)  # past the start, where every overflow halves
     _apply(optimizer, model, np.inf)
     _apply(optimizer, model, np.inf)
     _apply(optimizer, model, 0.0)  # a finite step resets the streak

@@ -61,6 +61,21 @@ def test_the_run_ends_with_a_summary_table_and_its_picture(smoke_simclr):
     assert 0 < metrics["mfu"] and "GFLOP/s" in metrics["mfu_peak_formula"]  # the pretraining step's utilisation
 
 
+def test_a_finished_run_redraws_its_summary_png_and_a_missing_run_is_one_line(smoke_simclr, tmp_path):
+    workdir, result = smoke_simclr
+    os.remove(workdir / "summary.png")
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    redrawn = subprocess.run([sys.executable, "-m", "tfmp.report", str(workdir)], cwd=REPO, env=environment, capture_output=True,
+                             text=True, timeout=120)
+    assert redrawn.returncode == 0, redrawn.stderr[-2000:]
+    assert redrawn.stdout.splitlines()[-1] == f"drawn: {workdir}/summary.png" and (workdir / "summary.png").stat().st_size > 10_000
+    assert "simclr · small_cnn" in redrawn.stdout
+    missing = subprocess.run([sys.executable, "-m", "tfmp.report", str(tmp_path / "nothing")], cwd=REPO, env=environment,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert missing.stderr.startswith(f"tfmp.report: error: {tmp_path / 'nothing'}/metrics.json: no finished run's metrics there")
+
+
 def test_history_csv_has_the_columns_the_task_logs(smoke_simclr):
     workdir, _ = smoke_simclr
     with open(workdir / "history.csv", encoding="utf-8", newline="") as file:

@@ -18,6 +18,7 @@ Where things live:
     tfmp.tasks       the tasks of `--task=NAME`, and what their training stages share
     tfmp.training    `run(config, workdir)`, used by the CLI `python -m tfmp.train`
     tfmp.run_directory  every path and file name of a run (config.json, checkpoints/, encoder.keras, ...)
+    tfmp.workdir_lock   one run per workdir: the lock file, its holder, a stale lock taken over
     tfmp.diagnostics precision doctor, memory estimate
     tfmp.keras_internals, tfmp.upstream   private Keras hooks (fenced, version-checked) and upstream workarounds
 
@@ -33,7 +34,7 @@ _logs.install_library_default()  # tfmp's choices are seen once even where nobod
 
 _SUBMODULES = ("bench", "callbacks", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware", "keras_internals",
                "launch", "logs", "models", "optimizers", "precision", "registry", "report", "run_directory", "runtime", "ssl", "tasks",
-               "tf_environment", "train", "training", "upstream")
+               "tf_environment", "train", "training", "upstream", "workdir_lock")
 
 
 def __getattr__(name):

@@ -216,7 +216,11 @@ def main(argv: list[str]) -> int:
         result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
         sys.stdout.write(result.stdout)
         sys.stdout.flush()
-        code = max(code, result.returncode)
+        if result.returncode != 0:  # negative when a signal ended it (an abort, the OOM killer)
+            ended = f"signal {-result.returncode}" if result.returncode < 0 else f"exit code {result.returncode}"
+            print(f"tfmp.bench: error: {precision_name}, remat {remat} failed ({ended}); no measurement for it",
+                  file=sys.stderr, flush=True)
+            code = 1
     print(f"tfmp.bench: done in {report.clock(progress.finish())}", file=sys.stderr, flush=True)
     return code
 

@@ -236,7 +236,9 @@ class Config:
                                              at_least_zero)
     nan_retries: int = _field(2, "On a non-finite loss, restore the last good checkpoint this many times before failing.",
                               at_least_zero)
-    max_skipped_steps: int = _field(20, "fp16 steps skipped in a row (loss-scale overflow) that count as a failure.", at_least_zero)
+    max_skipped_steps: int = _field(20, "fp16 steps skipped in a row (loss-scale overflow) that count as a failure once the "
+                                        "loss scale is at its floor (while it can still halve, skips are it finding its scale).",
+                                    at_least_zero)
     loss_explosion_factor: float = _field(1000.0, "A finite training loss this many times the best finished epoch's counts as "
                                           "divergence, like a non-finite one (0: off).", off_or_above_one)
     replica_check_every_steps: int = _field(100, "Check that all replicas hold identical variables every N steps "

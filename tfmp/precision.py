@@ -117,7 +117,8 @@ class LossScaleOptimizer(keras_internals.LossScaleOptimizerHooks):
     Keras halves the scale on every overflow with no lower bound, so a stretch of
     overflowing steps drives it toward zero and every later gradient underflows.
     This subclass (as DeepSpeed does) halves only after `hysteresis` consecutive
-    overflowing steps, never below `min_scale`, and counts the skipped steps.
+    overflowing steps, never below `min_scale`, and counts the skipped steps; before its
+    first applied step it halves on every overflow, as Keras does, to find a usable scale fast.
 
     Under `tf.distribute`, a step is skipped on every replica when any replica's
     gradients are non-finite, and the scale changes once per step: Keras 3.15 decides
@@ -200,7 +201,10 @@ class LossScaleOptimizer(keras_internals.LossScaleOptimizerHooks):
         if not self.dynamic:
             return
         self.overflow_streak.assign_add(1)
-        halve = tf.greater_equal(self.overflow_streak, self.hysteresis)
+        # Until a step has gone through, the scale is still being found: halve on every overflow (as Keras
+        # does), so a run skips no more steps at its start than with Keras' optimizer; hysteresis after that.
+        searching = tf.equal(self.iterations, 0)
+        halve = tf.logical_or(searching, tf.greater_equal(self.overflow_streak, self.hysteresis))
         halved = tf.maximum(self.dynamic_scale * 0.5, self.min_scale)
         self.dynamic_scale.assign(tf.where(halve, halved, self.dynamic_scale))
         self.overflow_streak.assign(tf.where(halve, tf.zeros_like(self.overflow_streak), self.overflow_streak))

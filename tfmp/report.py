@@ -6,12 +6,15 @@
   finished; before one has, the ETA says so instead of guessing.
 * `summary_table` turns `metrics.json` into the few figures that matter for the task, per label
   draw and as mean ± spread; `summary_png` draws them (probe vs baseline per draw, the kNN
-  monitor over epochs) to `WORKDIR/summary.png` where matplotlib is installed.
+  monitor over epochs) to `WORKDIR/summary.png`.
+
+`python -m tfmp.report WORKDIR` prints a finished run's summary again and redraws its summary.png.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import statistics
 import sys
@@ -142,7 +145,7 @@ def summary_png(metrics: dict, history: list[dict], path: str) -> str | None:
         matplotlib.use("Agg")
         from matplotlib import pyplot
     except ImportError:
-        logger.info("summary.png skipped: matplotlib is not installed (pip install 'tfmp[bench]')")
+        logger.warning("summary.png skipped: matplotlib is not installed (pip install matplotlib)")
         return None
     panels = int(has_draws) + int(bool(knn))
     figure, axes = pyplot.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
@@ -173,3 +176,28 @@ def summary_png(metrics: dict, history: list[dict], path: str) -> str | None:
     figure.savefig(path, dpi=110)
     pyplot.close(figure)
     return path
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tfmp.report WORKDIR`: the summary of a finished run, and its summary.png drawn again."""
+    from tfmp.run_directory import RunDirectory, logged_history
+
+    if len(argv) != 2 or argv[1].startswith("-"):
+        print("usage: python -m tfmp.report WORKDIR", file=sys.stderr)
+        return 2
+    directory = RunDirectory(argv[1])
+    try:
+        with open(directory.metrics_file, encoding="utf-8") as file:
+            metrics = json.load(file)
+    except (OSError, ValueError) as error:
+        print(f"tfmp.report: error: {directory.metrics_file}: no finished run's metrics there "
+              f"({getattr(error, 'strerror', None) or error})", file=sys.stderr)
+        return 2
+    print(summary_table(metrics))
+    drawn = summary_png(metrics, logged_history(directory.history_file), directory.summary_png_file)
+    print(f"drawn: {drawn}" if drawn else "nothing to draw for this task (no label draws, no kNN monitor)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -21,6 +21,7 @@ rerun or an unwritable workdir before TensorFlow starts.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import os
@@ -210,3 +211,11 @@ def check_before_run(config: Config, workdir: str | RunDirectory) -> tuple[Confi
     if finished is None:
         directory.check_writable()
     return config, directory, finished
+
+
+def logged_history(history_file: str) -> list[dict]:
+    """The per-epoch logs `tfmp.callbacks.HistoryCSV` appended to `history_file` (history.csv), across resumptions."""
+    if not os.path.exists(history_file):
+        return []
+    with open(history_file, encoding="utf-8", newline="") as file:
+        return [{key: float(value) for key, value in row.items() if value not in ("", "NA", None)} for row in csv.DictReader(file)]

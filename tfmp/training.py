@@ -9,6 +9,7 @@ checkpoint; a rerun with another config is refused.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -24,6 +25,7 @@ from tfmp.run_directory import RunDirectory, check_before_run
 from tfmp.runtime import Runtime, prepare
 from tfmp.tasks import TrainingFailed  # noqa: F401 — TrainingFailed is part of this module's API
 from tfmp.tasks.stage import apply_float32_layers, build_encoder
+from tfmp.workdir_lock import WorkdirLock
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,17 @@ def run(config: Config, workdir: str | RunDirectory, *, extra_callbacks=(), chec
     task = tasks.get(config.task)
     task.check_inputs(config, data)  # everything that can fail on user input fails here, before config.json is written
     directory = directory.for_worker(runtime.chief)
+    # One run per workdir, held by the chief from its first write to its last (tfmp.workdir_lock).
+    with WorkdirLock(directory.path) if runtime.chief else contextlib.nullcontext():
+        return _run_locked(config, data, task, runtime, directory, extra_callbacks, started)
+
+
+def _run_locked(config: Config, data, task, runtime: Runtime, directory: RunDirectory, extra_callbacks, started: float) -> dict:
     if runtime.chief:
+        finished = directory.finished_metrics(config)  # again: another process may have finished it meanwhile
+        if finished is not None:
+            print(f"already finished: {directory.metrics_file} (nothing to do)")
+            return finished
         directory.write_config(config)
     progress = report.Phases(task.phases(config))
     try:

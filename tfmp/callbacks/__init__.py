@@ -1,6 +1,7 @@
 """Keras callbacks tfmp adds to `fit()`, for any Keras model (built lazily or not, functional,
 Sequential, subclassed, with its own `train_step` and optimizers), one room per job:
 
+    run_lock.py          `RunLock`: one run per workdir (`tfmp.workdir_lock`) for the length of `fit()`
     step_counter.py      `StepCounter`: steps taken across resumptions
     checkpoint_files.py  which checkpoint files exist and read completely (no Keras)
     checkpointing.py     `Checkpointing`: save cadence, what a checkpoint holds, restore
@@ -25,15 +26,17 @@ from tfmp.callbacks.checkpointing import Checkpointing
 from tfmp.callbacks.guards import NaNGuard, ReplicaConsistencyCheck, ReplicaDivergenceError
 from tfmp.callbacks.model_state import logged_losses, owned_optimizers
 from tfmp.callbacks.preemption import Preempted, PreemptionCheckpoint
+from tfmp.callbacks.run_lock import RunLock
 from tfmp.callbacks.step_counter import StepCounter
-from tfmp.callbacks.telemetry import HistoryCSV, LossScaleMonitor, Throughput, logged_history
-from tfmp.run_directory import RunDirectory, as_run_directory
+from tfmp.callbacks.telemetry import HistoryCSV, LossScaleMonitor, Throughput
+from tfmp.run_directory import RunDirectory, as_run_directory, logged_history
 
 
 class RunCallbacks(NamedTuple):
     """tfmp's callbacks for one `fit()`, by job. Pass it to `fit(callbacks=...)` as it is, or inside a
     list (Keras flattens tuples); `as_list()` gives them flat, in the order they run."""
 
+    lock: RunLock
     step_counter: StepCounter
     guard: NaNGuard
     replica_check: ReplicaConsistencyCheck
@@ -45,14 +48,14 @@ class RunCallbacks(NamedTuple):
     tensorboard: keras.callbacks.TensorBoard
 
     def as_list(self) -> list[keras.callbacks.Callback]:
-        return [*self[:6], *self.monitors, self.history, self.tensorboard]
+        return [*self[:7], *self.monitors, self.history, self.tensorboard]
 
 
 def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3, checkpoint_every_steps: int = 0,
                       checkpoint_every_seconds: float = 10.0, nan_retries: int = 2, max_skipped_steps: int = 20,
                       loss_explosion_factor: float = 1000.0, replica_check_every_steps: int = 100, monitors=(),
                       validation: bool = False) -> RunCallbacks:
-    """Step counter, guards, checkpoints with resume, preemption, telemetry, then the loggers.
+    """The workdir's lock, step counter, guards, checkpoints with resume, preemption, telemetry, then the loggers.
 
     Args:
         workdir: the run directory (a path, or a `RunDirectory`, which on a non-chief worker
@@ -69,6 +72,7 @@ def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3,
                                   checkpoint_every_seconds=checkpoint_every_seconds, save_directory=run.checkpoints_to_write,
                                   counter=counter)
     return RunCallbacks(
+        lock=RunLock(None if run.is_scratch else run.path),
         step_counter=counter,
         guard=NaNGuard(checkpointing, nan_retries=nan_retries, max_skipped_steps=max_skipped_steps,
                        loss_explosion_factor=loss_explosion_factor),
@@ -83,5 +87,5 @@ def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3,
 
 
 __all__ = ["Checkpointing", "HistoryCSV", "LossScaleMonitor", "NaNGuard", "Preempted", "PreemptionCheckpoint", "ReplicaConsistencyCheck",
-           "ReplicaDivergenceError", "RunCallbacks", "StepCounter", "Throughput", "default_callbacks", "find_checkpoints",
+           "ReplicaDivergenceError", "RunCallbacks", "RunLock", "StepCounter", "Throughput", "default_callbacks", "find_checkpoints",
            "logged_history", "logged_losses", "owned_optimizers"]

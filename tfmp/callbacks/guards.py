@@ -25,7 +25,7 @@ class NaNGuard(keras.callbacks.Callback):
     epoch (Keras' per-batch logs are the epoch's running means, so one noisy batch does not
     trigger it), on non-finite weights or optimizer state (a BatchNorm model can diverge with a
     huge but finite loss), or on more than `max_skipped_steps` steps in a row skipped by fp16
-    loss scaling in any of the model's optimizers. Each trigger restores the newest checkpoint
+    loss scaling once a loss scale is at its floor. Each trigger restores the newest checkpoint
     and goes on, up to `nan_retries` times; then training stops and `diagnosis` names the step,
     the loss, the optimizers' learning rates and the likely cause (the CLI's exit code 1).
 
@@ -36,7 +36,7 @@ class NaNGuard(keras.callbacks.Callback):
     Args:
         checkpointing: the run's `Checkpointing`: what the guard restores, and gates.
         nan_retries: restores before giving up.
-        max_skipped_steps: fp16 steps skipped in a row that count as a failure.
+        max_skipped_steps: fp16 steps skipped in a row that count as a failure once the loss scale is at its floor.
         loss_explosion_factor: loss / its best epoch value that counts as divergence (0: off).
     """
 
@@ -62,6 +62,15 @@ class NaNGuard(keras.callbacks.Callback):
     @property
     def _optimizers(self) -> dict:
         return owned_optimizers(self.model)
+
+    def _loss_scale_at_its_floor(self) -> bool:
+        """Whether some loss-scaling optimizer can lower its scale no further: only then are skipped steps a failure
+        (while the scale can still halve, skipping is the loss scaling finding its scale)."""
+        for optimizer in self._optimizers.values():
+            scale = precision.current_loss_scale(optimizer)
+            if scale is not None and (not getattr(optimizer, "dynamic", True) or scale <= getattr(optimizer, "min_scale", 1.0)):
+                return True
+        return False
 
     def _total_skipped(self) -> int:
         return sum(precision.skipped_steps(optimizer) or 0 for optimizer in self._optimizers.values())
@@ -125,7 +134,7 @@ class NaNGuard(keras.callbacks.Callback):
         elif exploded:
             self._recover(f"step {step}: {exploded} {losses[exploded]:.3g}, {losses[exploded] / self._best_epoch_losses[exploded]:.3g}x "
                           f"the best epoch's {self._best_epoch_losses[exploded]:.3g}")
-        elif self._skip_streak > self.max_skipped_steps:
+        elif self._skip_streak > self.max_skipped_steps and self._loss_scale_at_its_floor():
             self._recover(f"step {step}: {self._skip_streak} fp16 steps skipped in a row")
 
     @staticmethod

@@ -126,11 +126,3 @@ def _csv_value(value) -> str:
         return repr(float(value))
     except (TypeError, ValueError):
         return str(value)
-
-
-def logged_history(history_file: str) -> list[dict]:
-    """The per-epoch logs `default_callbacks` appended to `history_file` (history.csv), across resumptions."""
-    if not os.path.exists(history_file):
-        return []
-    with open(history_file, encoding="utf-8", newline="") as file:
-        return [{key: float(value) for key, value in row.items() if value not in ("", "NA", None)} for row in csv.DictReader(file)]
