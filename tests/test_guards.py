@@ -21,7 +21,8 @@ def test_absurd_learning_rate_stops_with_a_diagnosis_and_leaves_a_good_checkpoin
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("tfmp.train: error: training failed: training diverged")
     assert "not a precision problem but divergence: lower --learning_rate" in last_line
-    assert not (workdir / "metrics.json").exists()
+    assert "a rerun in this workdir may change learning_rate" in last_line
+    assert not (workdir / "metrics.json").exists() and (workdir / "failure.json").exists()
 
     # The newest checkpoint is the last good one: it restores into a fresh model, all finite.
     model = models.build_classifier(models.build_encoder("small_cnn", (8, 8, 1)), 10)
@@ -31,6 +32,16 @@ def test_absurd_learning_rate_stops_with_a_diagnosis_and_leaves_a_good_checkpoin
     assert checkpointing.restore_last_good()
     assert checkpointing.restored_step > 0
     assert all(np.isfinite(weight).all() for weight in model.get_weights())
+
+    # The advice can be followed: the same command with a lower learning rate, in the same workdir, resumes and finishes.
+    lowered = run_cli(f"--workdir={workdir}", "--precision=fp32", "--strategy=off", "--optimizer=sgd", "--learning_rate=0.01",
+                      "--warmup_epochs=3", "--epochs=3", "--checkpoint_every_steps=2")
+    assert lowered.returncode == 0, lowered.stderr[-2000:]
+    assert "rerunning a failed run with learning_rate: 100000000.0 -> 0.01" in lowered.stdout
+    assert (workdir / "metrics.json").exists() and not (workdir / "failure.json").exists()
+    other = run_cli(f"--workdir={workdir}", "--precision=fp32", "--strategy=off", "--optimizer=adamw", "--learning_rate=0.01",
+                    "--warmup_epochs=3", "--epochs=3", "--checkpoint_every_steps=2")
+    assert other.returncode == 2 and "optimizer: 'sgd' -> 'adamw'" in other.stderr  # what is trained may not change
 
 
 def _overflowing_fp16_model(min_scale):

@@ -89,13 +89,25 @@ def test_models_built_lazily_train_checkpoint_and_resume(make_model, replicas, t
     history = resumed.fit(images, labels, batch_size=128, epochs=3, verbose=0, callbacks=run_callbacks)
     checkpointing = run_callbacks.checkpointing
     assert checkpointing.restored_step == 2 * steps_per_epoch
-    # On one device Keras builds such a model inside the first step, so the restore overwrites
-    # that step's update (tfmp.callbacks.checkpointing); on 2 replicas Keras builds it before fit.
-    updates = 3 * steps_per_epoch - (1 if replicas == 1 else 0)
+    # The model is built from the input shape its first run kept, and restored before the first step.
+    updates = 3 * steps_per_epoch
     assert _checkpoint_steps(tmp_path)[-1] == updates
     assert int(resumed.optimizer.iterations.numpy()) == updates  # the optimizer's count was restored too
-    assert history.epoch == [2]
-    assert history.history["loss"][0] < first.history["loss"][-1]  # went on from the trained weights, not from scratch
+    assert history.epoch == [0, 1, 2] and history.history["loss"][:2] == first.history["loss"]  # the whole run's history
+    assert history.history["loss"][2] < first.history["loss"][-1]  # went on from the trained weights, not from scratch
+
+
+@pytest.mark.parametrize("make_model", [_lazy_sequential, _subclassed], ids=["lazy_sequential", "subclassed"])
+def test_a_finished_lazily_built_model_is_restored_by_a_rerun_with_nothing_left_to_train(make_model, tmp_path):
+    images, labels = digits()
+    model = make_model()
+    first = model.fit(images, labels, batch_size=128, epochs=2, verbose=0, callbacks=callbacks.default_callbacks(str(tmp_path)))
+    trained = model.evaluate(images, labels, verbose=0)
+
+    rerun = make_model()  # a new process would build the same fresh model
+    history = rerun.fit(images, labels, batch_size=128, epochs=2, verbose=0, callbacks=callbacks.default_callbacks(str(tmp_path)))
+    assert rerun.evaluate(images, labels, verbose=0) == pytest.approx(trained, rel=1e-6)  # not fresh weights
+    assert history.epoch == [0, 1] and history.history["loss"] == first.history["loss"]  # what the run logged
 
 
 def _contrastive(strategy, images):
@@ -179,3 +191,16 @@ def test_a_contrastive_run_killed_with_sigkill_resumes(tmp_path):
     # first step after the resume is spent building the lazily built model (see above).
     remaining_epochs = 6 - resumed_from // STEPS_PER_EPOCH
     assert _checkpoint_steps(tmp_path)[-1] == resumed_from + remaining_epochs * STEPS_PER_EPOCH - 1
+
+
+@pytest.mark.parametrize("name, code, what", [("SIGTERM", 143, "preempted: SIGTERM"), ("SIGINT", 130, "interrupted: Ctrl-C (SIGINT)")])
+def test_a_signal_stops_a_users_script_like_the_cli(tmp_path, name, code, what):
+    """Exit 128 + the signal with one line on stderr, the step checkpointed, and the rerun resumes from it."""
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    script = os.path.join(HERE, "scripts", "stop_by_signal.py")
+    result = subprocess.run([sys.executable, script, str(tmp_path), name], env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == code, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr  # TensorFlow's own start-up lines aside, tfmp's one line:
+    assert [line for line in result.stderr.splitlines() if line.startswith("tfmp")] == [
+        f"tfmp: error: {what} at step 4: checkpoint saved; rerun the same command to resume"]
+    assert "not reached" not in result.stdout and _checkpoint_steps(tmp_path) == [4]

@@ -63,12 +63,20 @@ STRATEGIES = ("auto", "off", "one_device", "mirrored", "multi_worker_mirrored", 
 OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
 REMAT_MODES = ("none", "blocks", "full")
+MAX_IMAGE_SIZE = 1024  # --image_size above this: a decoded data set of many GB, not what tfmp's encoders are for
+MIN_LOGICAL_DEVICES_ALLOWED = 4
 CONV_WEIGHT_GRADIENTS = ("auto", "tf", "tap_matmul")
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
 CHANGEABLE_ON_RESUME = ("verbose", "data_dir", "tpu", "dry_run", "jit_compile", "conv_weight_gradient", "steps_per_execution",
                         "worker_hosts", "task_index", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints",
                         "nan_retries", "max_skipped_steps", "loss_explosion_factor", "replica_check_every_steps")
+
+
+# Numerics a failed (diverged) run may be rerun with, in the same workdir: the rerun resumes from the last good
+# checkpoint (the newest one: a state that is not finite is never saved) with the new values.
+CHANGEABLE_AFTER_FAILURE = ("learning_rate", "warmup_epochs", "weight_decay", "float32_layers", "initial_loss_scale",
+                            "loss_scale_growth_steps", "probe_learning_rate", "baseline_learning_rate")
 
 
 class UsageError(ValueError):
@@ -121,6 +129,24 @@ def momentum(name, value):
     return None if 0 <= value < 1 else f"{name} must be in [0, 1), got {value}"
 
 
+def at_least_one(name, value):
+    return None if value >= 1 else f"{name} must be >= 1, got {value}"
+
+
+def image_side(name, value):
+    if not 0 <= value <= MAX_IMAGE_SIZE:
+        return f"{name} must be 0 (the data set's own size) or a side of at most {MAX_IMAGE_SIZE}px, got {value}"
+    return None
+
+
+def logical_cpu_devices(name, value):
+    most = max(MIN_LOGICAL_DEVICES_ALLOWED, 2 * (os.cpu_count() or 1))
+    if not 0 <= value <= most:
+        return (f"{name} must be in [0, {most}] here (2 per core, {os.cpu_count()} cores: logical devices share the cores, "
+                f"and more of them only slow the run), got {value}")
+    return None
+
+
 def off_or_above_one(name, value):
     return None if value == 0 or value > 1 else f"{name} must be 0 (off) or > 1, got {value}"
 
@@ -161,7 +187,7 @@ class Config:
     encoder: str = _field("", "Pretrained encoder (.keras) for --task=linear_eval and --task=finetune.")
     model: str = _field("small_cnn", f"Encoder: {', '.join(tfmp_registry.ENCODERS.names())}.",
                         registered(tfmp_registry.ENCODERS))
-    image_size: int = _field(0, "Resize images to this side length; 0 keeps the data set's own size.", at_least_zero)
+    image_size: int = _field(0, "Resize images to this side length; 0 keeps the data set's own size.", image_side)
     precision: str = _field("auto", f"Precision: {', '.join(PRECISION_NAMES)}.")
     jit_compile: str = _field("auto", f"Compile training steps with XLA: {', '.join(JIT_COMPILE_CHOICES)} (auto: on TPUs, and on "
                                       "a single GPU as Keras does; off on CPUs, where XLA measured slower).",
@@ -170,10 +196,10 @@ class Config:
                                          "an epoch's steps up to N (0: up to 64 and up to --checkpoint_every_steps; 1: one step a "
                                          "call). Callbacks then see one batch end per call.", at_least_zero)
     strategy: str = _field("auto", f"Distribution strategy: {', '.join(STRATEGIES)}.", one_of(*STRATEGIES))
-    num_cpu_devices: int = _field(0, "Split the CPU into this many logical devices (0: leave it whole).", at_least_zero)
+    num_cpu_devices: int = _field(0, "Split the CPU into this many logical devices (0: leave it whole).", logical_cpu_devices)
     tpu: str = _field("", "TPU for --strategy=tpu: 'local' on a TPU VM, empty on Colab, else a name or grpc:// address.")
     worker_hosts: str = _field("", "multi_worker_mirrored: host:port of every worker, comma-separated (else TF_CONFIG is read).")
-    task_index: int = _field(0, "multi_worker_mirrored: this worker's index in --worker_hosts (0 is the chief).")
+    task_index: int = _field(0, "multi_worker_mirrored: this worker's index in --worker_hosts (0 is the chief).", at_least_zero)
     global_batch_size: int = _field(128, "Examples per step, summed over all replicas.", positive_integer)
     epochs: int = _field(15, "Training epochs.", positive_integer)
     learning_rate: float = _field(3e-3, "Base learning rate (peak after warmup, then cosine decay; see --learning_rate_scaling).",
@@ -193,9 +219,9 @@ class Config:
     float32_layers: str = _field("", "Regular expression: layers whose names match stay float32 under a mixed policy.",
                                  regular_expression)
     loss_scale: str = _field("dynamic", "mixed_float16 loss scale: 'dynamic' or a fixed number.", loss_scale_value)
-    initial_loss_scale: float = _field(2.0**15, "Starting dynamic loss scale (mixed_float16).", above_zero)
+    initial_loss_scale: float = _field(2.0**15, "Starting dynamic loss scale (mixed_float16; at least its floor, 1).", at_least_one)
     loss_scale_growth_steps: int = _field(2000, "Finite steps before the dynamic loss scale doubles.", positive_integer)
-    seed: int = _field(0, "Seed for initialisation, shuffling and augmentation.")
+    seed: int = _field(0, "Seed for initialisation, shuffling and augmentation.", at_least_zero)
     # Self-supervised pretraining (--task=<an SSL method>) and its evaluation.
     pretrain_examples: int = _field(0, "Pretrain on a seeded sample of this many images (0: all; for data-size sweeps).", at_least_zero)
     temperature: float = _field(0.2, "Softmax temperature of simclr (NT-Xent) and mocov3 (InfoNCE).", above_zero)
@@ -250,10 +276,12 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def differences(self, other: "Config") -> list[str]:
-        """Fields (other than locations) whose values differ, as `name: mine != theirs`."""
+    def differences(self, other: "Config", *, after_failure: bool = False) -> list[str]:
+        """Fields whose values differ, as `name: theirs -> mine`, but those a resumed run may change
+        (`CHANGEABLE_ON_RESUME`; after a failed run, also `CHANGEABLE_AFTER_FAILURE`)."""
         mine, theirs = self.to_dict(), other.to_dict()
-        return [f"{key}: {theirs[key]!r} -> {mine[key]!r}" for key in mine if key not in CHANGEABLE_ON_RESUME and mine[key] != theirs[key]]
+        free = CHANGEABLE_ON_RESUME + (CHANGEABLE_AFTER_FAILURE if after_failure else ())
+        return [f"{key}: {theirs[key]!r} -> {mine[key]!r}" for key in mine if key not in free and mine[key] != theirs[key]]
 
 
 def _check_fields(config: Config) -> None:

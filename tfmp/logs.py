@@ -30,12 +30,27 @@ class _ShortFormatter(logging.Formatter):
         return message if record.levelno <= logging.INFO else f"{record.levelname.lower()}: {message}"
 
 
+_PROBE = logging.LogRecord("probe", logging.WARNING, "", 0, "message", None, None)
+
+
+def _implicit_basic_config(handler: logging.Handler) -> bool:
+    """Whether `handler` is the one absl's `logging.basicConfig()` adds when TensorFlow logs through absl before
+    anyone configured logging (its first checkpoint does): stderr, Python's default format."""
+    return (type(handler) is logging.StreamHandler and handler.stream is sys.stderr
+            and (handler.formatter or logging.Formatter()).format(_PROBE) == "WARNING:probe:message")
+
+
 class _UntilConfigured(logging.Handler):
-    """Writes tfmp's records to stderr while nobody has configured logging (the root logger has no handler)."""
+    """Writes tfmp's records to stderr while nobody has configured logging: the root logger has no handler, or
+    only the default one absl adds by itself mid-run (then tfmp's records stop there, so a run's lines keep
+    one format and come once). Once the user configures logging, their handlers get the records instead."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if logging.getLogger().handlers:
+        logger = logging.getLogger(LOGGER_NAME)
+        if any(not _implicit_basic_config(handler) for handler in logging.getLogger().handlers):
+            logger.propagate = True
             return  # the user's handlers get it by propagation
+        logger.propagate = False
         try:
             sys.stderr.write(f"tfmp: {self.format(record)}\n")
         except Exception:  # noqa: BLE001 — logging must never raise into the caller

@@ -2,6 +2,9 @@
 
     WORKDIR/config.json            the resolved config (written once every input check has passed)
     WORKDIR/metrics.json           final figures, flat JSON (written last, atomically)
+    WORKDIR/failure.json           the diagnosis of an attempt that failed; while it is there, a rerun may change
+                                   the numerics in `tfmp.config.CHANGEABLE_AFTER_FAILURE`
+    WORKDIR/run.lock               the process running here (`tfmp.workdir_lock`)
     WORKDIR/memory_estimate.json   what --dry_run estimated (nothing else is written then)
     WORKDIR/checkpoints/           tf.train checkpoints (`tfmp.callbacks.Checkpointing`)
     WORKDIR/tensorboard/           TensorBoard scalars of every stage (a stage's below, e.g. baseline/draw0/)
@@ -28,10 +31,11 @@ import os
 import shutil
 import tempfile
 
-from tfmp.config import Config, UsageError, load_json, save_json, validate
+from tfmp.config import CHANGEABLE_AFTER_FAILURE, Config, UsageError, load_json, save_json, validate
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.json"
+FAILURE_FILE = "failure.json"  # why the last attempt failed (training diverged); gone once the run finishes
 MEMORY_ESTIMATE_FILE = "memory_estimate.json"
 HISTORY_FILE = "history.csv"
 SUMMARY_PNG_FILE = "summary.png"
@@ -93,6 +97,10 @@ class RunDirectory:
         return os.path.join(self.path, CONFIG_FILE)
 
     @property
+    def failure_file(self) -> str:
+        return os.path.join(self.path, FAILURE_FILE)
+
+    @property
     def metrics_file(self) -> str:
         return os.path.join(self.path, METRICS_FILE)
 
@@ -138,8 +146,19 @@ class RunDirectory:
         here would race with the other workers of a multi-worker run, which check the same
         directory at the same moment (one worker's removal broke the other's probe). Nothing is
         left behind, so a refused run writes nothing."""
+        try:
+            os.stat(self.path)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as error:  # a name the filesystem rejects: too long, a NUL byte, ...
+            raise UsageError(f"workdir {self.path!r} cannot be a directory here ({getattr(error, 'strerror', None) or error}); "
+                             "choose another --workdir") from None
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise UsageError(f"workdir {self.path} is a file, not a directory; choose another --workdir")
+        for inside in (self.checkpoints, self.tensorboard):
+            if os.path.isdir(inside) and not os.access(inside, os.W_OK | os.X_OK):
+                raise UsageError(f"workdir {self.path}: {os.path.basename(inside)}/ is not writable; fix its permissions "
+                                 "or choose another --workdir")
         folder = os.path.abspath(self.path)
         while not os.path.exists(folder):
             folder = os.path.dirname(folder)
@@ -159,13 +178,35 @@ class RunDirectory:
         """
         if not os.path.exists(self.config_file):
             return None
-        differences = config.differences(load_json(self.config_file))
+        try:
+            earlier = load_json(self.config_file)
+        except (OSError, ValueError, TypeError) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise UsageError(f"workdir {self.path}: {CONFIG_FILE} does not read ({reason}); move it aside to rerun the run "
+                             "here (its checkpoints are resumed), or choose another --workdir") from None
+        failed = os.path.exists(self.failure_file)
+        differences = config.differences(earlier, after_failure=failed)
         if differences:
-            raise UsageError(f"workdir {self.path} holds a run with another config ({'; '.join(differences)}); use a new --workdir")
+            may_change = (f"; after its failure, {', '.join(CHANGEABLE_AFTER_FAILURE)} may change here" if failed else "")
+            raise UsageError(f"workdir {self.path} holds a run with another config ({'; '.join(differences)}){may_change}; "
+                             "use a new --workdir")
         if not os.path.exists(self.metrics_file):
             return None
-        with open(self.metrics_file, encoding="utf-8") as file:
-            return json.load(file)
+        try:
+            with open(self.metrics_file, encoding="utf-8") as file:
+                return dict(json.load(file))
+        except (OSError, ValueError, TypeError):
+            return None  # damaged: the run is resumed from its checkpoints and writes it again
+
+    def remove_if_only_config(self) -> None:
+        """Removes the run directory when it holds nothing but its config.json (and empty folders): what a run
+        refused after writing its config leaves, so that nothing of it stays behind."""
+        if not os.path.isdir(self.path):
+            return
+        for folder, _, files in os.walk(self.path):
+            if any(os.path.join(folder, name) != self.config_file for name in files):
+                return
+        shutil.rmtree(self.path)
 
     def write_config(self, config: Config) -> None:
         os.makedirs(self.path, exist_ok=True)
@@ -185,8 +226,14 @@ class RunDirectory:
     def write_memory_estimate(self, values: dict) -> str:
         return self.write_json(values, MEMORY_ESTIMATE_FILE)
 
+    def write_failure(self, diagnosis: str) -> str:
+        return self.write_json({"diagnosis": diagnosis}, FAILURE_FILE)
+
     def write_metrics(self, metrics: dict) -> str:
-        return self.write_json(metrics, METRICS_FILE)
+        written = self.write_json(metrics, METRICS_FILE)
+        if os.path.exists(self.failure_file):
+            os.remove(self.failure_file)  # the rerun with changed numerics finished
+        return written
 
 
 def as_run_directory(directory: str | RunDirectory) -> RunDirectory:

@@ -10,7 +10,6 @@ to resume).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 from tfmp import tf_environment
@@ -78,9 +77,8 @@ def main(argv: list[str]) -> int:
         return _fail(str(error), 2)
     except training.TrainingFailed as error:
         return _fail(f"training failed: {error}", 1)
-    except Preempted as error:
-        return _fail(f"{'preempted' if error.signal_number == signal.SIGTERM else 'interrupted'}: {error}",
-                     128 + error.signal_number)
+    except Preempted as stopped:  # its one line is logged already (tfmp.callbacks.preemption)
+        return stopped.code
     except KeyboardInterrupt:  # Ctrl-C outside a training step (loading data, tracing, evaluating)
         return _fail("interrupted (Ctrl-C); rerun the same command to resume from the last checkpoint", INTERRUPTED_EXIT_CODE)
     if config.dry_run:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 
 import keras
@@ -20,7 +21,7 @@ import tfmp
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import data as tfmp_data
 from tfmp import distribute, models, report, tasks
-from tfmp.config import Config, UsageError
+from tfmp.config import CHANGEABLE_AFTER_FAILURE, Config, UsageError, load_json
 from tfmp.run_directory import RunDirectory, check_before_run
 from tfmp.runtime import Runtime, prepare
 from tfmp.tasks import TrainingFailed  # noqa: F401 — TrainingFailed is part of this module's API
@@ -83,9 +84,17 @@ def run(config: Config, workdir: str | RunDirectory, *, extra_callbacks=(), chec
     task = tasks.get(config.task)
     task.check_inputs(config, data)  # everything that can fail on user input fails here, before config.json is written
     directory = directory.for_worker(runtime.chief)
-    # One run per workdir, held by the chief from its first write to its last (tfmp.workdir_lock).
-    with WorkdirLock(directory.path) if runtime.chief else contextlib.nullcontext():
-        return _run_locked(config, data, task, runtime, directory, extra_callbacks, started)
+    new_workdir = not os.path.exists(directory.path)
+    try:
+        # One run per workdir, held by the chief from its first write to its last (tfmp.workdir_lock).
+        with WorkdirLock(directory.path) if runtime.chief else contextlib.nullcontext():
+            return _run_locked(config, data, task, runtime, directory, extra_callbacks, started)
+    except UsageError:
+        # Bad input found only once the task built its model (e.g. --float32_layers matching no layer): the
+        # config.json just written goes again, so the corrected command runs in the same workdir.
+        if runtime.chief and new_workdir:
+            directory.remove_if_only_config()
+        raise
 
 
 def _run_locked(config: Config, data, task, runtime: Runtime, directory: RunDirectory, extra_callbacks, started: float) -> dict:
@@ -94,12 +103,19 @@ def _run_locked(config: Config, data, task, runtime: Runtime, directory: RunDire
         if finished is not None:
             print(f"already finished: {directory.metrics_file} (nothing to do)")
             return finished
+        if os.path.exists(directory.failure_file) and os.path.exists(directory.config_file):
+            changed = config.differences(load_json(directory.config_file))
+            logger.info("rerunning a failed run%s; it resumes from its last good checkpoint",
+                        f" with {'; '.join(changed)}" if changed else "")
         directory.write_config(config)
     progress = report.Phases(task.phases(config))
     try:
         task_metrics = task.run(config, data, runtime, directory, extra_callbacks, progress)
-    except tfmp_callbacks.ReplicaDivergenceError as error:
-        raise TrainingFailed(str(error)) from None
+    except (TrainingFailed, tfmp_callbacks.ReplicaDivergenceError) as error:
+        if runtime.chief:
+            directory.write_failure(str(error))
+        raise TrainingFailed(f"{error}; a rerun in this workdir may change {', '.join(CHANGEABLE_AFTER_FAILURE)} and "
+                             "resumes from the last good checkpoint") from None
     finally:
         if not runtime.chief:
             directory.remove_scratch()

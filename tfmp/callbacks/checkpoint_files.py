@@ -7,9 +7,11 @@ anything is restored, so a damaged one is skipped whole and never restored in pa
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import tempfile
 
 import tensorflow as tf
 
@@ -17,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "ckpt"
 STATE_FILE = "checkpoint"  # tf.train's name for the file listing a directory's checkpoints
+BUILD_CONFIG_FILE = "model_build_config.json"  # the model's Keras build config: a lazily built model is built from it
 _INDEX = re.compile(rf"^{PREFIX}-(\d+)\.index$")
 
 
@@ -75,3 +78,21 @@ def set_aside_unreadable_state_file(directory: str) -> None:
         tf.compat.v1.train.update_checkpoint_state(directory, found[-1], all_model_checkpoint_paths=found)
     logger.warning("checkpoint state file %s was unreadable: moved to %s.unreadable and rebuilt from %d index file(s)",
                    state, STATE_FILE, len(found))
+
+
+def write_build_config(directory: str, build_config: dict) -> None:
+    """Keeps the model's Keras build config (its input shape) beside its checkpoints, written atomically."""
+    path = os.path.join(directory, BUILD_CONFIG_FILE)
+    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=f".{BUILD_CONFIG_FILE}.")
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        json.dump(build_config, file)
+    os.replace(temporary, path)
+
+
+def read_build_config(directory: str) -> dict | None:
+    """The build config `write_build_config` kept in `directory`, or None."""
+    try:
+        with open(os.path.join(directory, BUILD_CONFIG_FILE), encoding="utf-8") as file:
+            return json.load(file)
+    except (OSError, ValueError):
+        return None

@@ -82,6 +82,7 @@ class Checkpointing(keras.callbacks.Callback):
         self._every_epoch_end = not checkpoint_every_seconds
         self._saved_epoch_end = False  # in this fit()
         self._pending_restore: str | None = None
+        self._build_config_written = False
         self._checkpoint_state_object = None
         self._manager = None
         self._current_epoch = 0
@@ -161,6 +162,9 @@ class Checkpointing(keras.callbacks.Callback):
         self._step.assign(self.step)
         manager.save(checkpoint_number=self.step)
         self._last_save = time.monotonic()
+        if not self._build_config_written and self.model.get_build_config():
+            checkpoint_files.write_build_config(self.save_directory, self.model.get_build_config())
+            self._build_config_written = True
         return True
 
     def save_now(self, logs=None) -> bool:
@@ -176,16 +180,25 @@ class Checkpointing(keras.callbacks.Callback):
         if not owned_optimizers(self.model):
             logger.warning("Checkpointing: %s owns no optimizer; checkpoints hold its weights and step only", self.model.name)
         self._pending_restore = None
-        if self.model.built:
-            path = self._choose(at_start=True)
-            epoch = self._load(path) if path else 0
+        self._build_config_written = False
+        path = self._choose(at_start=True)
+        if path and not self.model.built:
+            # A model built lazily (a Sequential without Input, a subclassed model) has no variables yet:
+            # built here from the input shape its earlier run kept (Keras' own build config).
+            build_config = checkpoint_files.read_build_config(self.directory)
+            if build_config:
+                self.model.build_from_config(build_config)
+        if path is None:
+            epoch = 0
+        elif self.model.built or self.model.weights:
+            epoch = self._load(path)
         else:
-            # A model built lazily gets its variables while Keras traces the first step. tf.train's
-            # deferred restoration then gives a subclassed model's layers a second copy of their
-            # kernels (Keras 3.15 / TF 2.21), so the restore waits until the end of the first step,
-            # whose update it overwrites; epoch and step are read from the file now.
-            self._pending_restore = self._choose(at_start=True)
-            epoch = self._read_progress(self._pending_restore) if self._pending_restore else 0
+            # No build config (checkpoints of an older tfmp): the variables appear while Keras traces the
+            # first step, and tf.train's deferred restoration then gives a subclassed model's layers a
+            # second copy of their kernels (Keras 3.15 / TF 2.21); the restore waits until the end of the
+            # first step, whose update it overwrites. Epoch and step are read from the file now.
+            self._pending_restore = path
+            epoch = self._read_progress(path)
         if epoch:
             keras_internals.set_initial_epoch(self.model, epoch)
 

@@ -13,16 +13,24 @@ from tfmp.callbacks.checkpointing import Checkpointing
 logger = logging.getLogger(__name__)
 
 
-class Preempted(RuntimeError):
+class Preempted(SystemExit):
     """SIGTERM or Ctrl-C (SIGINT) arrived during training; the current step was checkpointed.
 
+    A `SystemExit` with code 128 + the signal (143, 130), as a shell reports a process that signal
+    stopped: uncaught, a user's script ends there with that code and no traceback, like the CLI
+    (the one line saying what happened is logged before it is raised); `except Preempted` catches it.
+
     Attributes:
-        signal_number: the signal that stopped training (the CLI exits with 128 + it: 143, 130).
+        signal_number: the signal that stopped training.
     """
 
     def __init__(self, message: str, signal_number: int):
-        super().__init__(message)
+        super().__init__(128 + signal_number)
+        self.message = message
         self.signal_number = signal_number
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class PreemptionCheckpoint(keras.callbacks.Callback):
@@ -74,9 +82,11 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         self._uninstall()
         saved = self.checkpointing.save_now(logs)
         name = "SIGTERM" if self.requested == signal.SIGTERM else "Ctrl-C (SIGINT)"
-        raise Preempted(f"{name} at step {self.checkpointing.step}: "
-                        + ("checkpoint saved" if saved else "state not saved, last good checkpoint kept")
-                        + "; rerun the same command to resume", self.requested)
+        stopped = Preempted(f"{name} at step {self.checkpointing.step}: "
+                            + ("checkpoint saved" if saved else "state not saved, last good checkpoint kept")
+                            + "; rerun the same command to resume", self.requested)
+        logger.error("%s: %s", "preempted" if self.requested == signal.SIGTERM else "interrupted", stopped)
+        raise stopped
 
     def on_train_end(self, logs=None):
         self._uninstall()

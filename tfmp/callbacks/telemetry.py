@@ -12,6 +12,7 @@ import keras
 
 from tfmp import precision
 from tfmp.callbacks.model_state import optimizer_steps, owned_optimizers
+from tfmp.run_directory import logged_history
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +97,30 @@ class HistoryCSV(keras.callbacks.Callback):
     epoch's keys, plus their `val_` twins only when the fit validates (`validation=True`; the
     baseline validates at its last epoch only). Appending to an existing file keeps its header,
     so a resumed run's rows line up with the first run's.
+
+    At the end of training, the `History` that `fit()` returns gets the epochs earlier runs logged
+    in front of this one's: a resumed run (or a rerun with nothing left to train, which would
+    return an empty `History`) hands back the whole run's history, as code reading it expects.
     """
 
     def __init__(self, path: str, validation: bool = False):
         super().__init__()
         self.path, self.validation = path, validation
+        self._earlier: list[dict] = []
+
+    def on_train_begin(self, logs=None):
+        self._earlier = logged_history(self.path)
+
+    def on_train_end(self, logs=None):
+        history = getattr(self.model, "history", None)
+        if not self._earlier or not isinstance(history, keras.callbacks.History):
+            return
+        earlier = [row for row in self._earlier if int(row.get("epoch", -1)) not in set(getattr(history, "epoch", []))]
+        current = history.history
+        keys = list(dict.fromkeys([*current, *(key for row in earlier for key in row if key != "epoch")]))
+        history.history = {key: [row.get(key) for row in earlier] + list(current.get(key, [None] * len(history.epoch)))
+                           for key in keys}
+        history.epoch = [int(row["epoch"]) for row in earlier] + list(getattr(history, "epoch", []))
 
     def on_epoch_end(self, epoch, logs=None):
         logs = dict(logs or {})
