@@ -1,6 +1,10 @@
 """tfmp.data: the registry's sources and the input pipeline."""
 
 import logging
+import os
+import subprocess
+import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -79,7 +83,7 @@ def test_unreadable_images_are_named_before_training_or_skipped_when_asked(tmp_p
     bad = [str(tmp_path / "train" / "cat" / "text.png"), str(tmp_path / "train" / "dog" / "empty.jpg"),
            str(tmp_path / "test" / "dog" / "truncated.png")]
 
-    reasons = data.datasets.unreadable_images(sorted(map(str, tmp_path.rglob("*.*g"))))
+    _, reasons = data.datasets.scan_images(sorted(map(str, tmp_path.rglob("*.*g"))))
     assert sorted(reasons) == sorted(bad) and all(reasons.values())
     with pytest.raises(ValueError) as refused:
         data.load(f"folder:{tmp_path}")
@@ -187,3 +191,51 @@ def test_tf_data_autotuning_is_off_for_arrays_in_memory_and_on_for_files(tmp_pat
     _write_pngs(tmp_path / "test", ["cat", "dog"], 1)
     folder = data.load(f"folder:{tmp_path}", image_size=16)
     assert data.classification_pipeline(folder.train, 2, training=True).options().autotune.enabled is not False
+
+
+def _png(path, height, width, channels, value=128):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tf.io.write_file(str(path), tf.io.encode_png(np.full((height, width, channels), value, np.uint8)))
+
+
+def test_a_folder_of_mixed_sizes_and_gray_and_rgb_is_read_as_they_are_with_the_shape_stated(tmp_path, caplog):
+    """Not by its first file: the most common size wins, colour wins over gray, and the log says what was done."""
+    for index in range(12):
+        _png(tmp_path / ("a" if index % 2 else "b") / f"{index:02d}.png", 16, 16, 3)
+    _png(tmp_path / "a" / "00_first.png", 24, 24, 1)  # first in order, gray, another size
+    for index in range(3):
+        _png(tmp_path / "b" / f"gray{index}.png", 16, 16, 1, value=200)
+    with caplog.at_level(logging.INFO, logger="tfmp"):
+        loaded = data.load(f"folder:{tmp_path}")
+    assert loaded.image_shape == (16, 16, 3)
+    assert "images as 16x16x3 (the most common size, 15 of 16 images); 1 resized, 4 converted to RGB" in caplog.text
+    images = np.concatenate([batch.numpy() for batch, _ in loaded.train.dataset().batch(64)] +
+                            [batch.numpy() for batch, _ in loaded.test.dataset().batch(64)])
+    assert images.shape == (16, 16, 16, 3)
+    gray = images[np.isclose(images[:, 0, 0, 0], 200 / 255, atol=1e-3)]
+    assert len(gray) == 3 and np.allclose(gray[..., 0], gray[..., 2])  # gray replicated into RGB, not dropped
+
+
+def test_a_huge_photo_first_among_small_images_trains_at_the_small_size_in_bounded_memory(tmp_path):
+    """A 3000x2000 photo first used to decide the size of every image (and ended in SIGSEGV)."""
+    folder = tmp_path / "images"
+    _png(folder / "a" / "000_photo.png", 2000, 3000, 3)
+    for index in range(40):
+        _png(folder / ("a" if index % 2 else "b") / f"{index + 1:03d}.png", 16, 16, 3, value=40 + 4 * index)
+    measured = ("import resource, sys\nfrom tfmp import train\ncode = train.main(['tfmp.train', *sys.argv[1:]])\n"
+                "print('peak_mb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\nsys.exit(code)")
+    result = subprocess.run([sys.executable, "-c", measured, f"--dataset=folder:{folder}", "--epochs=1", "--global_batch_size=8",
+                             "--precision=float32", "--strategy=off", f"--workdir={tmp_path / 'run'}"],
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert "images as 16x16x3 (the most common size, 40 of 41 images); 1 resized, 0 converted to RGB" in result.stdout
+    peak_mb = int(result.stdout.split("peak_mb")[1].split()[0])
+    assert peak_mb < 1500, peak_mb  # measured ~700; the 41 images at 2000x2000 alone would be 2 GB of float32
+
+
+def test_an_image_of_hundreds_of_megapixels_is_refused_with_its_path_and_size(tmp_path):
+    _png(tmp_path / "a" / "1.png", 16, 16, 3)
+    _png(tmp_path / "b" / "1.png", 16, 16, 3)
+    with mock.patch.object(data.datasets, "MAX_IMAGE_PIXELS", 200):  # a 16x16 image stands in for a 20000x20000 one
+        with pytest.raises(ValueError, match=r"a/1\.png is 16x16 \(0 megapixels, over 0\); shrink or remove it \(2 such file"):
+            data.load(f"folder:{tmp_path}")

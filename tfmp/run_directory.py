@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -148,9 +149,11 @@ class RunDirectory:
         left behind, so a refused run writes nothing."""
         try:
             os.stat(self.path)
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as error:  # a name the filesystem rejects: too long, a NUL byte, ...
+        except OSError as error:
+            if error.errno in (errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ):  # a name the filesystem rejects
+                raise UsageError(f"workdir {self.path!r} cannot be a directory here ({error.strerror}); "
+                                 "choose another --workdir") from None
+        except ValueError as error:  # a NUL byte
             raise UsageError(f"workdir {self.path!r} cannot be a directory here ({getattr(error, 'strerror', None) or error}); "
                              "choose another --workdir") from None
         if os.path.exists(self.path) and not os.path.isdir(self.path):

@@ -55,6 +55,12 @@ def _state_file_readable(directory: str) -> bool:
     return True
 
 
+def progress(path: str) -> tuple[int, int]:
+    """(epochs completed, step) that the checkpoint at `path` records."""
+    reader = tf.train.load_checkpoint(path)
+    return int(reader.get_tensor("epoch/.ATTRIBUTES/VARIABLE_VALUE")), int(reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE"))
+
+
 def newest_readable(directory: str) -> tuple[str | None, list[str]]:
     """The newest checkpoint in `directory` that reads completely (or None), and the newer ones skipped, with why."""
     skipped = []

@@ -83,6 +83,7 @@ class Checkpointing(keras.callbacks.Callback):
         self._saved_epoch_end = False  # in this fit()
         self._pending_restore: str | None = None
         self._build_config_written = False
+        self._continue_in_memory = False
         self._checkpoint_state_object = None
         self._manager = None
         self._current_epoch = 0
@@ -181,6 +182,12 @@ class Checkpointing(keras.callbacks.Callback):
             logger.warning("Checkpointing: %s owns no optimizer; checkpoints hold its weights and step only", self.model.name)
         self._pending_restore = None
         self._build_config_written = False
+        if self._continue_in_memory:
+            # The same model goes on in the next fit() of one run: it holds what the newest checkpoint holds.
+            self._continue_in_memory = False
+            if self._epoch.numpy():
+                keras_internals.set_initial_epoch(self.model, int(self._epoch.numpy()))
+            return
         path = self._choose(at_start=True)
         if path and not self.model.built:
             # A model built lazily (a Sequential without Input, a subclassed model) has no variables yet:
@@ -191,6 +198,11 @@ class Checkpointing(keras.callbacks.Callback):
         if path is None:
             epoch = 0
         elif self.model.built or self.model.weights:
+            optimizer = getattr(self.model, "optimizer", None)
+            if optimizer is not None and not optimizer.built:
+                # Restored into existing variables rather than left to tf.train's deferred restoration, which
+                # measured not exact for Keras 3.15's optimizer slots (a resumed run drifted from the one never stopped).
+                optimizer.build(self.model.trainable_variables)
             epoch = self._load(path)
         else:
             # No build config (checkpoints of an older tfmp): the variables appear while Keras traces the
@@ -203,9 +215,18 @@ class Checkpointing(keras.callbacks.Callback):
             keras_internals.set_initial_epoch(self.model, epoch)
 
     def _read_progress(self, path: str) -> int:
-        reader = tf.train.load_checkpoint(path)
-        self.counter.step = self.counter.previous_step = int(reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE"))
-        return int(reader.get_tensor("epoch/.ATTRIBUTES/VARIABLE_VALUE"))
+        epoch, self.counter.step = checkpoint_files.progress(path)
+        self.counter.previous_step = self.counter.step
+        return epoch
+
+    def continue_in_memory(self) -> None:
+        """The next `fit()` goes on from the model as it is (the state of the last save), without a restore."""
+        self._continue_in_memory = True
+
+    def saved_progress(self) -> tuple[int, int]:
+        """(epochs completed, step) of the checkpoint a `fit()` starting now resumes from; (0, 0) without one."""
+        path = checkpoint_files.newest_readable(self.directory)[0]
+        return checkpoint_files.progress(path) if path else (0, 0)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._current_epoch = epoch

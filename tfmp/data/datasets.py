@@ -19,6 +19,7 @@ drawn by index, seeded and class balanced, whatever the source.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -36,6 +37,8 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 SYNTHETIC_SIZES = {"train": 2048, "test": 512}
 # Decoded images up to this many bytes are cached in memory after the first epoch.
 CACHE_LIMIT_BYTES = 2 << 30
+MAX_IMAGE_SIDE = 1024  # a folder whose images are mostly larger needs --image_size
+MAX_IMAGE_PIXELS = 100_000_000  # one image above this is refused (decoding it takes >= 300 MB, every step)
 
 
 @dataclasses.dataclass
@@ -226,32 +229,64 @@ def _file_split(paths: list[str], labels: list[int], image_size: int, channels: 
     return Split(labels=labels_array, make=make, cacheable=cacheable)
 
 
-def unreadable_images(paths: list[str]) -> dict[str, str]:
-    """The files among `paths` that do not decode as images, each with the reason (TF's message).
+def scan_images(paths: list[str]) -> tuple[dict[str, tuple[int, int, int]], dict[str, str]]:
+    """Every file of `paths` decoded once: the (height, width, channels) of those that decode, and for the
+    others the reason (TF's message).
 
-    Every file is decoded once, in parallel through tf.data (errors dropped), and only the
-    missing ones again to read their error: a corrupt file found during training would end
-    the run with a traceback mid-epoch, after hours."""
+    Decoded in parallel through tf.data (errors dropped), and only the missing ones again to read their
+    error: a corrupt file found during training would end the run with a traceback mid-epoch, after hours."""
     if not paths:
-        return {}
+        return {}, {}
 
     def decode(index, path):
-        # The index is returned with the image's size: a decode whose result is unused would be
-        # pruned from the graph and never fail.
-        image = tf.io.decode_image(tf.io.read_file(path), expand_animations=False)
-        return index, tf.size(image)
+        # The shape depends on the decode, so the decode runs (an unused result would be pruned and never fail).
+        return index, tf.shape(tf.io.decode_image(tf.io.read_file(path), expand_animations=False))
 
     decoded = (tf.data.Dataset.from_tensor_slices((np.arange(len(paths)), np.asarray(paths)))
                .map(decode, num_parallel_calls=tf.data.AUTOTUNE).ignore_errors().batch(4096))
-    readable = {int(index) for indices, _ in decoded.as_numpy_iterator() for index in indices}
+    shapes = {paths[int(index)]: tuple(int(side) for side in shape)
+              for indices, batch_shapes in decoded.as_numpy_iterator() for index, shape in zip(indices, batch_shapes)}
     reasons = {}
-    for index in sorted(set(range(len(paths))) - readable):
+    for path in paths:
+        if path in shapes:
+            continue
         try:
-            tf.io.decode_image(tf.io.read_file(paths[index]), expand_animations=False)
+            tf.io.decode_image(tf.io.read_file(path), expand_animations=False)
         except (tf.errors.OpError, ValueError) as error:
             message = getattr(error, "message", str(error)).strip().splitlines()
-            reasons[paths[index]] = message[0] if message else type(error).__name__
-    return reasons
+            reasons[path] = message[0] if message else type(error).__name__
+    return shapes, reasons
+
+
+def choose_image_shape(name: str, shapes: dict[str, tuple[int, int, int]], image_size: int) -> tuple[int, int, int]:
+    """The one shape every image of a folder is decoded to, said in one log line with what it takes.
+
+    Side: `--image_size`, else the most common side among the images (the larger side of a non-square
+    one). Channels: 3 when any image has colour (gray ones are converted), else 1 (colour channels
+    beyond RGB, e.g. alpha, are dropped). Images far larger than anything trained on here are refused
+    with their path and size rather than decoded per step.
+
+    Raises:
+        ValueError: an image of more than `MAX_IMAGE_PIXELS` pixels, or a most common side above
+            `MAX_IMAGE_SIDE` with no `--image_size`.
+    """
+    huge = [(path, shape) for path, shape in shapes.items() if shape[0] * shape[1] > MAX_IMAGE_PIXELS]
+    if huge:
+        path, (height, width, _) = huge[0]
+        raise ValueError(f"dataset {name}: {path} is {width}x{height} ({width * height / 1e6:.0f} megapixels, over "
+                         f"{MAX_IMAGE_PIXELS / 1e6:.0f}); shrink or remove it ({len(huge)} such file(s))")
+    sides = collections.Counter(max(height, width) for height, width, _ in shapes.values())
+    side, count = sides.most_common(1)[0]
+    if not image_size and side > MAX_IMAGE_SIDE:
+        raise ValueError(f"dataset {name}: most images are {side}px; set --image_size (at most {MAX_IMAGE_SIDE}) to train on them")
+    asked, image_size = image_size, image_size or side
+    channels = 3 if any(shape[2] >= 3 for shape in shapes.values()) else 1
+    resized = sum(1 for height, width, _ in shapes.values() if (height, width) != (image_size, image_size))
+    converted = sum(1 for shape in shapes.values() if (shape[2] >= 3) != (channels == 3))
+    source = "--image_size" if asked else f"the most common size, {count} of {len(shapes)} images"
+    logger.info("dataset %s: images as %dx%dx%d (%s); %d resized, %d converted to %s", name, image_size, image_size, channels,
+                source, resized, converted, "RGB" if channels == 3 else "gray")
+    return image_size, image_size, channels
 
 
 def _drop(paths: list[str], labels: list[int], unreadable: dict[str, str]) -> tuple[list[str], list[int]]:
@@ -262,7 +297,8 @@ def _drop(paths: list[str], labels: list[int], unreadable: dict[str, str]) -> tu
 def load_folder(path: str, *, image_size: int = 0, seed: int = 0, skip_unreadable_images: bool = False) -> ImageData:
     """Images in class subfolders of `path` (or of `path/train` and `path/test`).
 
-    Every file is decoded once before training (`unreadable_images`).
+    Every file is decoded once before training (`scan_images`); every image is then decoded to the one
+    shape `choose_image_shape` states.
 
     Raises:
         ValueError: the folder does not exist, holds no images in class subfolders, or holds
@@ -285,7 +321,7 @@ def load_folder(path: str, *, image_size: int = 0, seed: int = 0, skip_unreadabl
                          f"expected {FOLDER_LAYOUT}")
     test_paths, test_labels = _list_images(os.path.join(path, "test"), classes, ignored) if has_splits else ([], [])
 
-    unreadable = unreadable_images(paths + test_paths)
+    shapes, unreadable = scan_images(paths + test_paths)
     if unreadable and not skip_unreadable_images:
         named = "; ".join(f"{file}: {reason}" for file, reason in list(unreadable.items())[:3])
         more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
@@ -298,9 +334,7 @@ def load_folder(path: str, *, image_size: int = 0, seed: int = 0, skip_unreadabl
         if not paths:
             raise ValueError(f"dataset folder:{path}: no readable images left in {train_root}")
 
-    first = tf.io.decode_image(tf.io.read_file(paths[0]), expand_animations=False)
-    channels = 1 if first.shape[-1] == 1 else 3
-    image_size = image_size or int(first.shape[0])
+    image_size, _, channels = choose_image_shape(f"folder:{path}", shapes, image_size)
 
     if not has_splits:
         train_index, test_index = stratified_split(np.asarray(labels), TEST_FRACTION, seed)

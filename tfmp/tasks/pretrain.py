@@ -105,8 +105,10 @@ def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: 
     visible = None
     if images is data.train:  # the labeled fraction's labels stay visible (online probe), as positions in `indices`
         visible = labeled if indices is None else np.flatnonzero(np.isin(indices, labeled))
-    pretrain = tfmp_data.classification_pipeline(images, config.global_batch_size, training=True, seed=config.seed,
+    def pretrain():
+        return tfmp_data.classification_pipeline(images, config.global_batch_size, training=True, seed=config.seed,
                                                  indices=indices, visible_labels=visible)
+
     knn = probes.KNNMonitor(encoder, tfmp_data.classification_pipeline(data.train, EVAL_BATCH, training=False, indices=labeled),
                             tfmp_data.classification_pipeline(data.test, EVAL_BATCH, training=False), data.num_classes,
                             every_epochs=config.knn_every_epochs, jit_compile=runtime.jit_compile)

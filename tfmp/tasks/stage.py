@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+from typing import Callable
 
 import keras
 import tensorflow as tf
@@ -116,18 +117,35 @@ def raise_if_failed(guard: tfmp_callbacks.NaNGuard, losses: list[float]) -> None
         raise TrainingFailed(f"training loss ended at {losses[-1]}; {guard.diagnose()}")
 
 
-def fit_stage(model: keras.Model, dataset: tf.data.Dataset, config: Config, directory: RunDirectory, *, global_batch_size: int,
+def resume_plan(saved: tuple[int, int], epochs: int, steps_per_epoch: int) -> list[tuple[int, int, int]]:
+    """The `fit()`s that train from a checkpoint's (epochs completed, step) to `epochs`: each as (epochs to reach,
+    steps per epoch, the first step of the stream). A checkpoint inside an epoch first finishes that epoch with
+    its remaining steps, so the run ends with the steps an uninterrupted run takes, epoch boundaries where they were."""
+    completed, step = saved
+    into_epoch = step - completed * steps_per_epoch
+    plan = []
+    if 0 < into_epoch < steps_per_epoch and completed < epochs:
+        plan.append((completed + 1, steps_per_epoch - into_epoch, step))
+        completed += 1
+    if completed < epochs or not plan:  # a finished stage still gets its fit(): that is where it is restored
+        plan.append((epochs, steps_per_epoch, completed * steps_per_epoch))
+    return plan
+
+
+def fit_stage(model: keras.Model, dataset: Callable[[], tf.data.Dataset], config: Config, directory: RunDirectory, *,
+              global_batch_size: int,
               steps_per_epoch: int | None = None, monitors=(), extra_callbacks=(), validation_data=None, validate_every: int = 1,
               quiet: bool = False, flops_per_example: float | None = None) -> dict:
     """Trains `model` on `dataset` for `config.epochs` with tfmp's callbacks in `directory` (a rerun resumes).
 
     Args:
         model: a compiled Keras model.
-        dataset: the batched training data.
+        dataset: makes the batched training data, one pass (each `fit()` gets a new one: a dataset's shuffle
+            draws its next order from how often that dataset object was iterated before, in this process).
         config: the stage's config (epochs and the callbacks' settings).
         directory: the stage's run directory.
         global_batch_size: examples per step (for the throughput figure).
-        steps_per_epoch: as `fit()`'s (for a repeated dataset); None: one pass over `dataset`.
+        steps_per_epoch: steps per `fit()` epoch; None: one pass over the dataset.
         monitors: callbacks whose values go into the logs (e.g. a kNN monitor).
         extra_callbacks: the caller's Keras callbacks, after tfmp's own.
         validation_data, validate_every: as `fit()`'s `validation_data` and `validation_freq`.
@@ -145,20 +163,30 @@ def fit_stage(model: keras.Model, dataset: tf.data.Dataset, config: Config, dire
     """
     callbacks = run_callbacks(config, directory, monitors, validation=validation_data is not None)
     throughput = tfmp_callbacks.Throughput(global_batch_size)
-    history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch, validation_data=validation_data,
-                        validation_freq=validate_every, callbacks=[throughput, *callbacks.as_list(), *extra_callbacks], shuffle=False,
-                        verbose=0 if quiet and not config.verbose else verbosity())
+    checkpointing = callbacks.checkpointing
+    resumed = None
+    for epochs, steps, first_step in resume_plan(checkpointing.saved_progress(), config.epochs,
+                                                 steps_per_epoch or int(dataset().cardinality())):
+        # One stream of batches, pass after pass (the shuffle reshuffles each pass, from the run's seed): a
+        # resumed fit starts where the checkpoint stopped in it, so it sees the batches the stopped run would have.
+        stream = dataset().repeat().skip(first_step)
+        history = model.fit(stream, epochs=epochs, steps_per_epoch=steps, validation_data=validation_data,
+                            validation_freq=validate_every, callbacks=[throughput, *callbacks.as_list(), *extra_callbacks],
+                            shuffle=False, verbose=0 if quiet and not config.verbose else verbosity())
+        resumed = resumed or (checkpointing.restored_epoch, checkpointing.restored_step)
+        if model.stop_training:
+            break
+        checkpointing.continue_in_memory()
     # A stage that had already finished trains no epoch: its last loss is in its history.csv.
     losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(directory.history_file)[-1:]]
     raise_if_failed(callbacks.guard, losses)
-    checkpointing = callbacks.checkpointing
     utilisation = {} if flops_per_example is None else flops.utilisation(flops_per_example, throughput.examples_per_second,
                                                                           precision.global_policy_name())
     return {
         "train_loss": float(losses[-1]) if losses else math.nan,
         "steps": int(model.optimizer.iterations.numpy()),
-        "resumed_from_epoch": checkpointing.restored_epoch,
-        "resumed_from_step": checkpointing.restored_step,
+        "resumed_from_epoch": resumed[0],
+        "resumed_from_step": resumed[1],
         "examples_per_second": throughput.examples_per_second,
         **utilisation,
         **loss_scale_metrics(model.optimizer),

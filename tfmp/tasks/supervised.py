@@ -83,10 +83,10 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, runtime: Runtime, 
             compile_model(model)
         else:
             model = compiled.compile(model, compile_model)
-    train = tfmp_data.classification_pipeline(data.train, batch, training=True, seed=config.seed, indices=indices)
+    def train():
+        return tfmp_data.classification_pipeline(data.train, batch, training=True, seed=config.seed, indices=indices)
+
     test = tfmp_data.classification_pipeline(data.test, batch, training=False)
-    if group > 1:
-        train = train.repeat()
     results = fit_stage(model, train, config.replace(epochs=config.epochs // group), directory, global_batch_size=batch,
                         steps_per_epoch=group if group > 1 else None, extra_callbacks=extra_callbacks,
                         validation_data=test, validate_every=max(1, validate_every // group), quiet=quiet,

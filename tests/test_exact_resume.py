@@ -1,0 +1,59 @@
+"""Exact resume: a run stopped at any step and rerun ends as the run never stopped — the same steps, the same
+checkpointed weights, optimizer state and BatchNorm statistics (tests/scripts/exact_resume.py measures it).
+
+Bit-identical on one device in float32 with TensorFlow's deterministic ops; the stops land in the first epoch and
+in the last epoch, and for an SSL run in pretraining and inside a supervised baseline draw."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import AUTO_PRECISION, REPO
+
+SCRIPT = os.path.join(REPO, "tests", "scripts", "exact_resume.py")
+
+
+def _measure(overrides: dict, stops: list[int], *extra) -> dict:
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, SCRIPT, json.dumps(overrides), ",".join(map(str, stops)), *extra], cwd=REPO,
+                            env=environment, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_supervised_run_stopped_in_its_first_and_last_epoch_resumes_bit_for_bit():
+    report = _measure({"task": "supervised", "epochs": 4}, [3, 40], "--deterministic")  # 11 steps an epoch
+    assert report["steps"] == 44
+    for stop in report["stops"]:
+        assert stop["stopped"].startswith(f"SIGTERM at step {stop['after_step'] + 1}: checkpoint saved"), stop
+        assert stop["steps"] == 44 and stop["checkpoint_difference"][0] == 0.0, stop
+    first, last = report["stops"]
+    assert set(first["metric_differences"]) <= {"achieved_gflops_per_second"}, first  # eval figures equal too
+    # Stopped inside the last epoch, the resumed run logs that epoch's loss over the steps after the resume.
+    assert set(last["metric_differences"]) <= {"achieved_gflops_per_second", "train_loss"}, last
+
+
+@pytest.mark.slow  # ~90 s: pretraining, probes and two baseline draws, three times
+def test_an_ssl_run_stopped_in_pretraining_and_in_a_baseline_draw_resumes_bit_for_bit():
+    simclr = {"task": "simclr", "epochs": 3, "global_batch_size": 256, "label_fraction": 0.05, "label_draws": 2,
+              "compare_supervised": True, "baseline_epochs": 10, "probe_epochs": 10, "knn_every_epochs": 1, "flip": False}
+    report = _measure(simclr, [7, 21], "--deterministic")  # 5 pretraining steps an epoch, then the draws' steps
+    for stop in report["stops"]:
+        assert stop["steps"] == report["steps"] and stop["checkpoint_difference"][0] == 0.0, stop
+        assert not {"linear_probe_accuracy", "knn_accuracy", "supervised_baseline_accuracy"} & set(stop["metric_differences"]), stop
+
+
+@pytest.mark.slow  # ~60 s
+def test_two_replicas_resume_with_the_same_steps_and_close_results():
+    """2 replicas: the same steps and data order, but not bit-for-bit: measured, the checkpointed BatchNorm statistics
+    drift from the second epoch after the resume on (0.12 at most after 33 steps; eval accuracy 0.861 vs 0.878, float32
+    and bf16 alike), the cause not found yet (BUILD_NOTES.md, "Exact resume")."""
+    report = _measure({"task": "supervised", "epochs": 3, "strategy": "mirrored", "num_cpu_devices": 2,
+                       "precision": AUTO_PRECISION}, [5])
+    for stop in report["stops"]:
+        assert stop["steps"] == report["steps"] == 33, stop
+        accuracy = stop["metric_differences"].get("eval_accuracy")
+        assert accuracy is None or abs(accuracy[0] - accuracy[1]) <= 0.05, stop
