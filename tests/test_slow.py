@@ -2,8 +2,13 @@
 
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
+
+from conftest import REPO, wait_for_checkpoint
 
 
 @pytest.mark.slow
@@ -38,3 +43,22 @@ def test_digits_simclr_preset_beats_the_supervised_baseline(run_cli, tmp_path, p
         metrics = json.load(file)
     assert metrics["linear_probe_accuracy"] > metrics["supervised_baseline_accuracy"] + 0.03
     assert len(metrics["linear_probe_accuracy_per_draw"]) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_the_main_job_stopped_by_ctrl_c_mid_run_ends_with_its_1100_steps(run_cli, tmp_path):
+    """Issue 22's report: stopped by SIGINT around step 341 and rerun, the main job said 1111 steps; now 1100."""
+    workdir = tmp_path / "run"
+    args = ["--flagfile=experiments/digits_simclr.cfg", f"--workdir={workdir}", "--checkpoint_every_steps=17"]
+    process = subprocess.Popen([sys.executable, "-m", "tfmp.train", *args], cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    wait_for_checkpoint(process, str(workdir), at_least=340)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 130, process.stderr.read()[-2000:]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(workdir / "metrics.json", encoding="utf-8") as file:
+        metrics = json.load(file)
+    assert metrics["steps"] == 1100 and 340 <= metrics["resumed_from_step"] < 1100
