@@ -36,6 +36,15 @@ def test_a_supervised_run_stopped_in_its_first_and_last_epoch_resumes_bit_for_bi
     assert set(last["metric_differences"]) <= {"achieved_gflops_per_second", "train_loss"}, last
 
 
+def test_a_stop_at_the_batch_end_that_ends_an_epoch_resumes_at_the_next_epoch():
+    """With one execution per epoch (steps_per_execution=11) the only batch end is the epoch's last: the stop's
+    checkpoint counts that epoch as done, so the rerun does not train it again (the main job said 1111 steps)."""
+    report = _measure({"task": "supervised", "epochs": 4, "steps_per_execution": 11}, [1], "--deterministic")
+    [stop] = report["stops"]
+    assert stop["stopped"].startswith("SIGTERM at step 22: checkpoint saved"), stop
+    assert stop["steps"] == report["steps"] == 44 and stop["checkpoint_difference"][0] == 0.0, stop
+
+
 @pytest.mark.slow  # ~90 s: pretraining, probes and two baseline draws, three times
 def test_an_ssl_run_stopped_in_pretraining_and_in_a_baseline_draw_resumes_bit_for_bit():
     simclr = {"task": "simclr", "epochs": 3, "global_batch_size": 256, "label_fraction": 0.05, "label_draws": 2,

@@ -168,9 +168,15 @@ class Checkpointing(keras.callbacks.Callback):
             self._build_config_written = True
         return True
 
+    def _epochs_completed_now(self) -> int:
+        # At a batch end that ends the epoch (with steps_per_execution, often the only one), the epoch is complete
+        # although its on_epoch_end has not run yet: a resume must start at the next epoch, not redo this one.
+        steps = self.params.get("steps") if self.params else None
+        return self._current_epoch + (1 if steps and self.counter.steps_into_epoch >= steps else 0)
+
     def save_now(self, logs=None) -> bool:
         """Saves the current step (mid-epoch); returns whether it was saved (not vetoed)."""
-        return self._save(self._current_epoch, logs)
+        return self._save(self._epochs_completed_now(), logs)
 
     def on_train_begin(self, logs=None):
         self._checkpoint_state()
@@ -242,7 +248,7 @@ class Checkpointing(keras.callbacks.Callback):
             self.model.reset_metrics()  # the overwritten step's loss is not this run's
             return
         if self.counter.crossed(self.checkpoint_every_steps):
-            self._save(self._current_epoch, logs)
+            self._save(self._epochs_completed_now(), logs)
 
     def on_epoch_end(self, epoch, logs=None):
         due = (self._every_epoch_end or not self._saved_epoch_end or epoch + 1 >= self.params.get("epochs", 0)

@@ -28,6 +28,11 @@ class StepCounter(keras.callbacks.Callback):
         self._batch = batch
         self.previous_step, self.step = self.step, self._epoch_start + batch + 1
 
+    @property
+    def steps_into_epoch(self) -> int:
+        """Steps of the current epoch done at the last batch end."""
+        return self._batch + 1
+
     def crossed(self, every: int) -> bool:
         """Whether the last batch end passed a multiple of `every` steps (0: never). With
         `steps_per_execution > 1` callbacks see one batch end per execution, so "step % every == 0"
