@@ -36,6 +36,7 @@ def test_a_supervised_run_stopped_in_its_first_and_last_epoch_resumes_bit_for_bi
     assert set(last["metric_differences"]) <= {"achieved_gflops_per_second", "train_loss"}, last
 
 
+@pytest.mark.slow  # ~10 s; the default suite's stops are mid-epoch
 def test_a_stop_at_the_batch_end_that_ends_an_epoch_resumes_at_the_next_epoch():
     """With one execution per epoch (steps_per_execution=11) the only batch end is the epoch's last: the stop's
     checkpoint counts that epoch as done, so the rerun does not train it again (the main job said 1111 steps)."""

@@ -56,7 +56,7 @@ SLOW = pytest.mark.slow  # ~10 s each: a real training run after the refusal
 
 
 @pytest.mark.parametrize("args, fixed", [
-    (["--learning_rate=nan"], ["--learning_rate=0.003"]),
+    pytest.param(["--learning_rate=nan"], ["--learning_rate=0.003"], marks=SLOW),
     pytest.param(["--seed=-1"], ["--seed=1"], marks=SLOW),
     pytest.param(["--initial_loss_scale=0"], ["--initial_loss_scale=1024"], marks=SLOW),
     pytest.param(["--image_size=2048"], ["--image_size=16"], marks=SLOW),

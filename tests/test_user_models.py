@@ -193,7 +193,8 @@ def test_a_contrastive_run_killed_with_sigkill_resumes(tmp_path):
     assert _checkpoint_steps(tmp_path)[-1] == resumed_from + remaining_epochs * STEPS_PER_EPOCH - 1
 
 
-@pytest.mark.parametrize("name, code, what", [("SIGTERM", 143, "preempted: SIGTERM"), ("SIGINT", 130, "interrupted: Ctrl-C (SIGINT)")])
+@pytest.mark.parametrize("name, code, what", [("SIGTERM", 143, "preempted: SIGTERM"),
+                                              pytest.param("SIGINT", 130, "interrupted: Ctrl-C (SIGINT)", marks=pytest.mark.slow)])
 def test_a_signal_stops_a_users_script_like_the_cli(tmp_path, name, code, what):
     """Exit 128 + the signal with one line on stderr, the step checkpointed, and the rerun resumes from it."""
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

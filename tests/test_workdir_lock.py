@@ -67,6 +67,7 @@ def test_the_cli_refuses_a_workdir_in_use_in_one_line_and_writes_nothing(run_cli
     assert "is gone; taking it over" in rerun.stderr and not (workdir / LOCK_FILE).exists()
 
 
+@pytest.mark.slow  # ~20 s: two CLI runs side by side on 2 cores
 def test_two_cli_runs_started_together_one_trains_the_other_is_refused(tmp_path):
     workdir = tmp_path / "run"
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

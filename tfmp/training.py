@@ -98,6 +98,7 @@ def run(config: Config, workdir: str | RunDirectory, *, extra_callbacks=(), chec
 
 
 def _run_locked(config: Config, data, task, runtime: Runtime, directory: RunDirectory, extra_callbacks, started: float) -> dict:
+    """The run itself, once its checks passed and (on the chief) the workdir is locked: config, task, metrics."""
     if runtime.chief:
         finished = directory.finished_metrics(config)  # again: another process may have finished it meanwhile
         if finished is not None:
