@@ -206,8 +206,8 @@ class Checkpointing(keras.callbacks.Callback):
         elif self.model.built or self.model.weights:
             optimizer = getattr(self.model, "optimizer", None)
             if optimizer is not None and not optimizer.built:
-                # Restored into existing variables rather than left to tf.train's deferred restoration, which
-                # measured not exact for Keras 3.15's optimizer slots (a resumed run drifted from the one never stopped).
+                # Built first, so the restore fills its slots now rather than through tf.train's deferred
+                # restoration, which left a rerun with nothing to train warning about every slot it never filled.
                 optimizer.build(self.model.trainable_variables)
             epoch = self._load(path)
         else:
