@@ -67,3 +67,19 @@ def test_two_replicas_resume_with_the_same_steps_and_close_results():
         assert stop["steps"] == report["steps"] == 33, stop
         accuracy = stop["metric_differences"].get("eval_accuracy")
         assert accuracy is None or abs(accuracy[0] - accuracy[1]) <= 0.05, stop
+
+
+@pytest.mark.parametrize("saved, plan", [
+    ((0, 0), [(10, 11, 0)]),                      # a new run: one fit() from the start
+    ((3, 33), [(10, 11, 33)]),                    # stopped at an epoch's end: the next epoch
+    ((3, 38), [(4, 6, 38), (10, 11, 44)]),        # stopped inside epoch 4: its 6 remaining steps, then the rest
+    ((9, 104), [(10, 6, 104)]),                   # inside the last epoch: only its remaining steps
+    ((10, 110), [(10, 11, 110)]),                 # finished: one fit() with nothing to train, where the model is restored
+])
+def test_the_resume_plan_keeps_the_epochs_and_steps_of_a_run_never_stopped(saved, plan):
+    from tfmp.tasks.stage import resume_plan
+
+    assert resume_plan(saved, epochs=10, steps_per_epoch=11) == plan
+    fits = resume_plan(saved, epochs=10, steps_per_epoch=11)
+    steps = sum(steps * (epochs - (saved[0] if index == 0 else fits[index - 1][0])) for index, (epochs, steps, _) in enumerate(fits))
+    assert saved[1] + steps == 110  # the resumed fits take exactly the steps left
