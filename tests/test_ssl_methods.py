@@ -244,10 +244,14 @@ def test_a_byol_run_killed_with_sigkill_restores_its_target_bit_for_bit(tmp_path
     newest = os.path.join(workdir, "checkpoints", os.path.basename(_registered_checkpoints(workdir)[-1]))
 
     class RecordTargetAtStart(keras.callbacks.Callback):
-        """Runs after tfmp's Checkpointing has restored (extra callbacks come after tfmp's)."""
+        """Runs after tfmp's Checkpointing has restored (extra callbacks come after tfmp's); the first fit() only (a
+        run resumed inside an epoch finishes that epoch in a fit() of its own first)."""
+
+        restored = None
 
         def on_train_begin(self, logs=None):
-            self.restored = [weight.numpy().copy() for weight in self.model.target_weights()]
+            if self.restored is None:
+                self.restored = [weight.numpy().copy() for weight in self.model.target_weights()]
 
     config = validate(Config(**{arg.split("=")[0][2:]: _parse(arg.split("=")[1]) for arg in BYOL_ARGS}))
     initial, saved = _checkpointed_target(newest, config)  # before the rerun rotates the file away
