@@ -69,11 +69,11 @@ def resolve(setting: str | bool = "auto", num_replicas: int = 1) -> tuple[bool, 
     return False, "CPU: XLA measured slower than TensorFlow's oneDNN graphs here"
 
 
-def scope(enabled: bool, strategy) -> str:
-    """What XLA compiles of a training step under `strategy` when `enabled` (see the module docstring)."""
+def scope(jit_compile: bool, strategy) -> str:
+    """What XLA compiles of a training step under `strategy` with `jit_compile` (see the module docstring)."""
     import tensorflow as tf
 
-    if not enabled:
+    if not jit_compile:
         return OFF
     if isinstance(strategy, tf.distribute.TPUStrategy):
         return TPU_REPLICA_STEP

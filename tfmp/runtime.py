@@ -54,9 +54,9 @@ class Runtime:
     def for_strategy(cls, strategy: tf.distribute.Strategy, *, jit_compile: str | bool = "auto",
                      conv_weight_gradient: str = "auto") -> "Runtime":
         """A runtime around an existing strategy and the policy in force (library code, tests, the bench)."""
-        enabled, reason = compilation.resolve(jit_compile, strategy.num_replicas_in_sync)
-        return cls(strategy=strategy, precision=precision.global_policy_name(), jit_compile=enabled, jit_compile_reason=reason,
-                   xla_scope=compilation.scope(enabled, strategy), chief=distribute.is_chief(strategy),
+        decided, reason = compilation.resolve(jit_compile, strategy.num_replicas_in_sync)
+        return cls(strategy=strategy, precision=precision.global_policy_name(), jit_compile=decided, jit_compile_reason=reason,
+                   xla_scope=compilation.scope(decided, strategy), chief=distribute.is_chief(strategy),
                    conv_weight_gradient=conv_weight_gradient)
 
 
