@@ -48,7 +48,7 @@ class Runtime:
     @property
     def keras_jit_compile(self) -> bool:
         """What `model.compile(jit_compile=...)` gets: True only where Keras compiles the whole step."""
-        return self.xla_scope == compilation.WHOLE_STEP
+        return compilation.for_keras(self.jit_compile, self.strategy)
 
     @classmethod
     def for_strategy(cls, strategy: tf.distribute.Strategy, *, jit_compile: str | bool = "auto",

@@ -58,10 +58,14 @@ class NaNGuard(keras.callbacks.Callback):
         self._warned_no_loss = False
         self._nonfinite_state_step: int | None = None  # seen by a vetoed save, not yet acted on
         self._finite_check = None  # (the variables it reads, a traced all-finite reduction over them)
+        self._watched: dict | None = None  # the model's optimizers, found at train begin
 
     @property
     def _optimizers(self) -> dict:
-        return owned_optimizers(self.model)
+        # Found once per fit() (read at every batch end): a model's optimizers do not change during training.
+        if self._watched is None:
+            self._watched = owned_optimizers(self.model)
+        return self._watched
 
     def _loss_scale_at_its_floor(self) -> bool:
         """Whether some loss-scaling optimizer can lower its scale no further: only then are skipped steps a failure
@@ -110,6 +114,7 @@ class NaNGuard(keras.callbacks.Callback):
     # ------------------------------------------------------------------ watching
 
     def on_train_begin(self, logs=None):
+        self._watched = None
         self._skipped = self._total_skipped()
 
     def on_train_batch_end(self, batch, logs=None):
