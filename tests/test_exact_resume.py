@@ -1,8 +1,10 @@
 """Exact resume: a run stopped at any step and rerun ends as the run never stopped — the same steps, the same
 checkpointed weights, optimizer state and BatchNorm statistics (tests/scripts/exact_resume.py measures it).
 
-Bit-identical on one device in float32 with TensorFlow's deterministic ops; the stops land in the first epoch and
-in the last epoch, and for an SSL run in pretraining and inside a supervised baseline draw."""
+Bit-identical on one device in float32 and in bf16 with TensorFlow's deterministic ops, stopped by SIGTERM, Ctrl-C
+(SIGINT) or kill -9; the stops land in the first epoch, mid-run and in the last epoch, and for an SSL run in
+pretraining and inside a supervised baseline draw (a label draw). On 2 replicas: the same steps, results within a
+stated tolerance."""
 
 import json
 import os
@@ -36,6 +38,20 @@ def test_a_supervised_run_stopped_in_its_first_and_last_epoch_resumes_bit_for_bi
     assert set(last["metric_differences"]) <= {"achieved_gflops_per_second", "train_loss"}, last
 
 
+@pytest.mark.slow  # ~40 s
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_a_run_stopped_by_ctrl_c_or_killed_resumes_bit_for_bit(precision):
+    """Ctrl-C checkpoints the next step; kill -9 leaves the newest checkpoint written before it (every 5 steps here),
+    so the rerun repeats the steps after it — the same ones, as the run never stopped had them."""
+    overrides = {"task": "supervised", "epochs": 4, "precision": precision, "checkpoint_every_steps": 5}
+    [interrupted] = _measure(overrides, [25], "--deterministic", "--signal=INT")["stops"]
+    assert interrupted["stopped"].startswith("Ctrl-C (SIGINT) at step 26: checkpoint saved"), interrupted
+    killed = _measure(overrides, [17, 40], "--deterministic", "--signal=KILL")["stops"]
+    assert [stop["resumed_from_step"] for stop in killed] == [15, 40]  # inside epoch 2; inside the last epoch
+    for stop in [interrupted, *killed]:
+        assert stop["steps"] == 44 and stop["checkpoint_difference"][0] == 0.0, stop
+
+
 @pytest.mark.slow  # ~10 s; the default suite's stops are mid-epoch
 def test_a_stop_at_the_batch_end_that_ends_an_epoch_resumes_at_the_next_epoch():
     """With one execution per epoch (steps_per_execution=11) the only batch end is the epoch's last: the stop's
@@ -46,11 +62,16 @@ def test_a_stop_at_the_batch_end_that_ends_an_epoch_resumes_at_the_next_epoch():
     assert stop["steps"] == report["steps"] == 44 and stop["checkpoint_difference"][0] == 0.0, stop
 
 
-@pytest.mark.slow  # ~90 s: pretraining, probes and two baseline draws, three times
-def test_an_ssl_run_stopped_in_pretraining_and_in_a_baseline_draw_resumes_bit_for_bit():
+@pytest.mark.slow  # ~3 min: pretraining, probes and two baseline draws, five times
+@pytest.mark.parametrize("stop_signal", ["TERM", "KILL"])
+def test_an_ssl_run_stopped_in_pretraining_and_in_a_baseline_draw_resumes_bit_for_bit(stop_signal):
     simclr = {"task": "simclr", "epochs": 3, "global_batch_size": 256, "label_fraction": 0.05, "label_draws": 2,
-              "compare_supervised": True, "baseline_epochs": 10, "probe_epochs": 10, "knn_every_epochs": 1, "flip": False}
-    report = _measure(simclr, [7, 21], "--deterministic")  # 5 pretraining steps an epoch, then the draws' steps
+              "compare_supervised": True, "baseline_epochs": 10, "probe_epochs": 10, "knn_every_epochs": 1, "flip": False,
+              "checkpoint_every_steps": 3}
+    # 5 pretraining steps an epoch (15), then each baseline draw's 10: step 21 is the 6th of the first draw.
+    report = _measure(simclr, [7, 21], "--deterministic", f"--signal={stop_signal}")
+    if stop_signal == "TERM":
+        assert [stop["stopped"].split(":")[0] for stop in report["stops"]] == ["SIGTERM at step 8", "SIGTERM at step 7"]
     for stop in report["stops"]:
         assert stop["steps"] == report["steps"] and stop["checkpoint_difference"][0] == 0.0, stop
         assert not {"linear_probe_accuracy", "knn_accuracy", "supervised_baseline_accuracy"} & set(stop["metric_differences"]), stop

@@ -1,10 +1,13 @@
 """The README's promises: its library example runs as written, its commands are the ones CI runs."""
 
+import json
 import math
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -68,3 +71,50 @@ def test_ci_runs_the_readme_test_command():
     with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as file:
         ci_lines = [line.strip() for line in file]
     assert test_command in ci_lines
+
+
+def _colab_cells() -> list[str]:
+    section = _readme().split("\n## Colab\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```ipython\n(.*?)```", section, flags=re.S)
+
+
+@pytest.mark.slow  # ~3 min: a clone, a pip install, the smoke run and the library cell
+def test_the_colab_cells_run_as_a_notebook_on_cpu(tmp_path, monkeypatch):
+    """The README's Colab cells, in their order, in one Jupyter kernel whose working folder holds the clone — as
+    Colab has it. The clone is of this checkout; `/content` is a temporary folder; the kernel is a virtual environment
+    over this one's packages, so the cells' `pip install` cannot touch the environment running the tests. The last
+    cell downloads CIFAR-10 and is not run."""
+    import nbclient
+    import nbformat
+
+    cells = _colab_cells()
+    assert len(cells) == 4 and "tfds build cifar10" in cells[-1]
+    content = tmp_path / "content"
+    content.mkdir()
+    environment = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(environment)], check=True)
+    kernel = tmp_path / "jupyter" / "kernels" / "colab"
+    kernel.mkdir(parents=True)
+    (kernel / "kernel.json").write_text(json.dumps({
+        "argv": [str(environment / "bin" / "python"), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "colab", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.setenv("PATH", f"{environment / 'bin'}{os.pathsep}{os.environ['PATH']}")  # the cells' `pip`, `python`
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+
+    sources = [cell.replace("<this repository>", REPO).replace("/content", str(content)) for cell in cells[:-1]]
+    sources.append("print('tfmp from', tfmp.__file__, 'accuracy', history.history['accuracy'][-1])")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in sources])
+    nbclient.NotebookClient(notebook, kernel_name="colab", timeout=900,
+                            resources={"metadata": {"path": str(content)}}).execute()  # raises on a Python error
+
+    def output(index):
+        return "".join(part.get("text", "") for part in notebook.cells[index].outputs)
+    # A shell command's failure is no Python error: read what the cells printed.
+    assert "Successfully installed" in output(0) and "tfmp" in output(0), output(0)[-2000:]
+    assert re.search(r"^done: .*metrics\.json", output(1), flags=re.M), output(1)[-3000:]
+    checked = re.search(r"^tfmp from (\S+) accuracy ([0-9.]+)", output(3), flags=re.M)
+    assert checked, output(3)[-2000:]
+    assert str(environment) in checked.group(1), checked.group(1)  # the installed package, not the clone folder
+    assert float(checked.group(2)) > 0.5
+    assert any(name.endswith(".index") for name in os.listdir(content / "runs" / "notebook" / "checkpoints"))

@@ -1,18 +1,22 @@
-"""Exact resume, measured: a run stopped by SIGTERM at a step and rerun against the same run never stopped.
+"""Exact resume, measured: a run stopped by a signal at a step and rerun against the same run never stopped.
 
-    python tests/scripts/exact_resume.py '{"task": "supervised", "epochs": 4}' 3,17,40 [--deterministic]
+    python tests/scripts/exact_resume.py '{"task": "supervised", "epochs": 4}' 3,17,40 [--deterministic] [--signal=KILL]
 
-Every run is `tfmp.training.run` in this process with the given `Config` fields. A stop is this process sending
-itself SIGTERM after the given training step (counted over every stage of the run: pretraining, then each
-baseline draw); tfmp's `PreemptionCheckpoint` checkpoints the next step and stops, and the rerun finishes the
-run. Prints one JSON line: per stop, where it stopped, the steps of the resumed run, and the largest difference
+Every run is `tfmp.training.run` with the given `Config` fields. A stop is the run's process sending itself a signal
+after the given training step (counted over every stage of the run: pretraining, then each baseline draw):
+SIGTERM (the default) or SIGINT, which tfmp's `PreemptionCheckpoint` answers by checkpointing the next step and
+stopping; or SIGKILL (kill -9), which ends a child process at once, so the rerun resumes from the newest checkpoint
+written before it (set `checkpoint_every_steps` to have some inside an epoch). The rerun finishes the run in this
+process. Prints one JSON line: per stop, how it stopped, the steps of the resumed run, and the largest difference
 of any checkpointed value (weights, optimizer state, BatchNorm statistics) and of any metric from the run never
 stopped. `--deterministic` turns on TensorFlow's deterministic ops first.
 """
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 
@@ -25,23 +29,37 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfmp import training  # noqa: E402
+from tfmp.tasks import pretrain, stage, supervised  # noqa: E402
 from tfmp.callbacks import find_checkpoints  # noqa: E402
 from tfmp.config import Config  # noqa: E402
 
 
 class SignalAfterStep(keras.callbacks.Callback):
-    """Sends SIGTERM to this process once `step` training steps of the run (all its stages) have ended."""
+    """Sends `signal_number` to this process once `step` training steps of the run (all its stages) have ended."""
 
     taken = 0
 
-    def __init__(self, step):
+    def __init__(self, step, signal_number=signal.SIGTERM):
         super().__init__()
-        self.step = step
+        self.step, self.signal_number = step, signal_number
 
     def on_train_batch_end(self, batch, logs=None):
         SignalAfterStep.taken += 1
         if SignalAfterStep.taken == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signal_number)
+
+
+@contextlib.contextmanager
+def in_every_stage(callback):
+    """Adds `callback` to every fit() of the run: pretraining and each baseline draw (`training.run`'s own
+    `extra_callbacks` reach the task's main stage only)."""
+    def fit_stage(*arguments, extra_callbacks=(), **keywords):
+        return stage.fit_stage(*arguments, extra_callbacks=(*extra_callbacks, callback), **keywords)
+    pretrain.fit_stage = supervised.fit_stage = fit_stage
+    try:
+        yield
+    finally:
+        pretrain.fit_stage = supervised.fit_stage = stage.fit_stage
 
 
 def checkpointed_values(workdir):
@@ -50,8 +68,8 @@ def checkpointed_values(workdir):
     for folder, names, _ in os.walk(workdir):
         if os.path.basename(folder) == "checkpoints" and find_checkpoints(folder):
             reader = tf.train.load_checkpoint(find_checkpoints(folder)[-1][1])
-            stage = os.path.relpath(folder, workdir)
-            values.update({f"{stage}:{name}": reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            stage_name = os.path.relpath(folder, workdir)
+            values.update({f"{stage_name}:{name}": reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
                            if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")})
     return values
 
@@ -79,10 +97,38 @@ def numeric_metrics(metrics: dict) -> dict:
             and not isinstance(value, bool)}
 
 
+def stop_run(config, workdir, stop: int, signal_name: str, options: list[str]) -> str | None:
+    """Runs `config` in `workdir` until the signal after step `stop` ends it; returns how it ended."""
+    if signal_name == "KILL":  # kill -9 leaves no Python behind to see it: the run is a child process
+        child = subprocess.run([sys.executable, __file__, "--child", json.dumps(config.to_dict()), workdir, str(stop), *options])
+        assert child.returncode == -signal.SIGKILL, f"the child ended with {child.returncode}, not by SIGKILL"
+        return f"killed (SIGKILL) after step {stop}"
+    SignalAfterStep.taken = 0
+    try:
+        with in_every_stage(SignalAfterStep(stop, getattr(signal, "SIG" + signal_name))):
+            training.run(config, workdir)
+    except SystemExit as preempted:
+        return str(preempted)
+    raise SystemExit(f"the run ended before step {stop}, where it was to be stopped")
+
+
+def child(config_json: str, workdir: str, stop: int) -> None:
+    with in_every_stage(SignalAfterStep(stop, signal.SIGKILL)):
+        training.run(Config(**json.loads(config_json)), workdir)
+    raise SystemExit(f"the run ended before step {stop}, where it was to be killed")
+
+
 def main():
-    overrides, stops = json.loads(sys.argv[1]), [int(step) for step in sys.argv[2].split(",")]
-    if "--deterministic" in sys.argv[3:]:
+    options = [argument for argument in sys.argv[1:] if argument.startswith("--")]
+    arguments = [argument for argument in sys.argv[1:] if not argument.startswith("--")]
+    if "--deterministic" in options:
         tf.config.experimental.enable_op_determinism()
+    if "--child" in options:
+        return child(*arguments[:2], int(arguments[2]))
+    signal_name = next((option.split("=", 1)[1] for option in options if option.startswith("--signal=")), "TERM")
+    # Ctrl-C as in a terminal, even where this process was started with SIGINT ignored (a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    overrides, stops = json.loads(arguments[0]), [int(step) for step in arguments[1].split(",")]
     config = Config(**{"precision": "float32", "strategy": "off", "steps_per_execution": 1, **overrides})
     root = tempfile.mkdtemp(prefix="tfmp-exact-resume-")
     never_stopped = training.run(config, os.path.join(root, "never_stopped"))
@@ -90,17 +136,13 @@ def main():
     report = {"steps": never_stopped["steps"], "stops": []}
     for stop in stops:
         workdir = os.path.join(root, f"stopped_at_{stop}")
-        SignalAfterStep.taken = 0
-        try:  # a stop after step 0 is no stop: the same run twice, to see that the run is deterministic
-            resumed = training.run(config, workdir, extra_callbacks=[SignalAfterStep(stop)] if stop else [])
-            stopped = None
-        except SystemExit as preempted:
-            stopped = str(preempted)
-            resumed = training.run(config, workdir)
+        # A stop after step 0 is no stop: the same run twice, to see that the run is deterministic.
+        stopped = stop_run(config, workdir, stop, signal_name, options) if stop else None
+        resumed = training.run(config, workdir)
         metrics = numeric_metrics(resumed)
         expected = numeric_metrics(never_stopped)
         report["stops"].append({
-            "after_step": stop, "stopped": stopped, "steps": resumed["steps"],
+            "after_step": stop, "stopped": stopped, "steps": resumed["steps"], "resumed_from_step": resumed.get("resumed_from_step"),
             "checkpoint_difference": largest_difference(reference, checkpointed_values(workdir)),
             "metric_differences": {key: [value, expected.get(key)] for key, value in metrics.items() if value != expected.get(key)},
         })
