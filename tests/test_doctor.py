@@ -61,7 +61,8 @@ def test_doctor_cli_reports_and_recommends(capsys):
 
 def test_doctor_cli_usage_error(capsys):
     assert doctor.main(["tfmp.doctor", "--model=vit"]) == 2
-    assert capsys.readouterr().err.strip() == "tfmp.doctor: error: unknown model 'vit'; valid: small_cnn, resnet18_cifar, resnet50"
+    assert capsys.readouterr().err.strip() == ("tfmp.doctor: error: unknown model 'vit'; valid: small_cnn, resnet18_cifar, resnet50, "
+                                               "vit_micro_p2, vit_tiny_p4, vit_small_p16, vit_base_p16")
 
 
 def test_float32_layers_flag_trains(tmp_path):

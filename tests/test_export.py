@@ -79,11 +79,13 @@ def test_adopt_brings_back_the_fused_batch_norm_with_the_same_statistics():
     np.testing.assert_allclose(back(images, training=False), encoder(images, training=False), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name, shape", [("resnet18_cifar", (32, 32, 3)),
+                                         pytest.param("vit_micro_p2", (16, 16, 3), marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy, tolerance", [("float32", 1e-4), ("mixed_bfloat16", 5e-2)])
-def test_an_exported_encoder_loads_in_a_process_without_tfmp(policy, tolerance, tmp_path):
+def test_an_exported_encoder_loads_in_a_process_without_tfmp(policy, tolerance, name, shape, tmp_path):
     keras.mixed_precision.set_global_policy(policy)
-    encoder = _trained_statistics(models.build_encoder("resnet18_cifar", (32, 32, 3), remat="blocks"))
-    images = _images((32, 32, 3))
+    encoder = _trained_statistics(models.build_encoder(name, shape, remat="blocks"))
+    images = _images(shape)
     expected = keras.ops.convert_to_numpy(encoder(images, training=False)).astype(np.float32)
     path, inputs, outputs = (str(tmp_path / name) for name in ("encoder.keras", "images.npy", "outputs.npy"))
     export.portable(encoder).save(path)

@@ -94,7 +94,8 @@ def test_the_smoke_variant_of_each_preset_runs_the_whole_pipeline_in_well_under_
     assert "done: " in result.stdout
     with open(tmp_path / "run" / "metrics.json", encoding="utf-8") as file:
         metrics = json.load(file)
-    if "supervised_baseline_accuracy_per_draw" in metrics:  # every SSL preset compares with the very same baseline
+    if "supervised_baseline_accuracy_per_draw" in metrics and metrics["model"] == "small_cnn":
+        # every SSL preset of the same encoder compares with the very same baseline
         with open(smoke_simclr[0] / "metrics.json", encoding="utf-8") as file:
             simclr = json.load(file)
         assert metrics["supervised_baseline_accuracy_per_draw"] == simclr["supervised_baseline_accuracy_per_draw"]

@@ -135,7 +135,8 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         "step_time_spread": round((max(times) - min(times)) / median, 3),
         "images_per_second": round(batch / median, 2),
         "gflops_per_second": round(flops / median / 1e9, 1),
-        "flop_source": "analytic: 2 x MACs of Conv2D/Dense forward, x3 for training" + (", x2 views" if views == 2 else ""),
+        "flop_source": ("analytic: 2 x MACs of Conv2D/Dense/EinsumDense and attention forward, x3 for training"
+                        + (", x2 views" if views == 2 else "")),
         **{key: value for key, value in flop_counting.utilisation(flops / batch, batch / median, policy).items()
            if key in ("mfu", "mfu_peak_formula")},
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

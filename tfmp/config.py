@@ -210,7 +210,10 @@ class Config:
     optimizer: str = _field("adamw", f"Optimizer: {', '.join(OPTIMIZERS)}.", one_of(*OPTIMIZERS))
     weight_decay: float = _field(1e-4, "Decoupled weight decay.", at_least_zero)
     remat: str = _field("none", f"Activation checkpointing: {', '.join(REMAT_MODES)} (blocks: recompute each residual "
-                                "block in the backward pass; full: also each stage around its blocks).", one_of(*REMAT_MODES))
+                                "or transformer block in the backward pass; full: also each ResNet stage around its blocks).",
+                        one_of(*REMAT_MODES))
+    drop_path_rate: float = _field(0.0, "ViT encoders: stochastic depth of the last block (DeiT's drop path), rising "
+                                        "linearly from 0 at the first.", momentum)
     conv_weight_gradient: str = _field("auto", f"Convolution weight gradient: {', '.join(CONV_WEIGHT_GRADIENTS)} (auto: one bf16 "
                                                "matmul per kernel tap where measured faster, on CPUs with bf16 units; tf: "
                                                "TensorFlow's kernel everywhere; tap_matmul: the matmuls wherever the shape rule holds).",
@@ -303,18 +306,27 @@ def _check_task_and_dataset(config: Config) -> None:
         raise UsageError(str(error)) from None
     if source.name == "folder" and not os.path.isdir(argument):
         raise UsageError(f"dataset {config.dataset}: no such directory")
-    defaults = Config()
-    for name in ("unlabeled_split", "skip_unreadable_images"):  # data_dir is a location, harmless elsewhere
-        if getattr(config, name) != getattr(defaults, name) and name not in source.settings:
-            readers = [entry.spelling for entry in map(tfmp_registry.DATASET_SOURCES.entry, tfmp_registry.DATASET_SOURCES.names())
-                       if name in entry.settings]
-            raise UsageError(f"--{name} applies to {' and '.join(readers)} data sets only, not {config.dataset}")
+    # data_dir is a location, harmless elsewhere
+    _check_plugin_settings(config, tfmp_registry.DATASET_SOURCES, source, ("unlabeled_split", "skip_unreadable_images"),
+                           "data sets", config.dataset)
+    _check_plugin_settings(config, tfmp_registry.ENCODERS, tfmp_registry.ENCODERS.entry(config.model), ("drop_path_rate",),
+                           "models", config.model)
     if config.task in ("linear_eval", "finetune"):
         if not config.encoder:
             raise UsageError(f"--task={config.task} needs --encoder=PATH (an encoder.keras written by --task="
                              f"{'|'.join(tfmp_registry.SSL_METHODS.names())})")
         if not os.path.isfile(config.encoder):
             raise UsageError(f"encoder {config.encoder}: no such file")
+
+
+def _check_plugin_settings(config: Config, registry: tfmp_registry.Registry, chosen: tfmp_registry.Entry,
+                           names: tuple[str, ...], kind: str, spelling: str) -> None:
+    """Refuses a setting changed from its default that the chosen plug-in does not read."""
+    defaults = Config()
+    for name in names:
+        if getattr(config, name) != getattr(defaults, name) and name not in chosen.settings:
+            readers = [entry.spelling for entry in map(registry.entry, registry.names()) if name in entry.settings]
+            raise UsageError(f"--{name} applies to {', '.join(readers)} {kind} only, not {spelling}")
 
 
 def _check_workers(config: Config) -> None:

@@ -7,8 +7,8 @@ SSL method, encoder, task or dataset source is one module and one line below (or
 
 Every SSL method is also a task of the same name (`--task=simclr` pretrains with SimCLR), run by
 `tfmp.tasks.pretrain`. A dataset source is named alone (`digits`) or takes an argument after a
-colon (`folder:PATH`, `tfds:NAME`), and names the config settings it reads: setting one that
-the chosen source does not read is refused.
+colon (`folder:PATH`, `tfds:NAME`). Sources and encoders name the config settings only some of them
+read (`unlabeled_split`, `drop_path_rate`): setting one that the chosen one does not read is refused.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ class Entry:
 
     Attributes:
         argument: dataset sources only: what follows `name:` (`"PATH"`, `"NAME"`), empty when none.
-        settings: dataset sources only: the source-specific config settings it reads.
+        settings: dataset sources and encoders: the config settings only some of them read (setting one that the
+            chosen source or encoder does not read is refused).
     """
 
     name: str
@@ -109,6 +110,10 @@ SSL_METHODS.register("mocov3", "tfmp.ssl.mocov3:MoCoV3")
 ENCODERS.register("small_cnn", "tfmp.models.cnn:small_cnn")
 ENCODERS.register("resnet18_cifar", "tfmp.models.resnet:resnet18_cifar")
 ENCODERS.register("resnet50", "tfmp.models.resnet:resnet50")
+ENCODERS.register("vit_micro_p2", "tfmp.models.vit:vit_micro_p2", settings=("drop_path_rate",))
+ENCODERS.register("vit_tiny_p4", "tfmp.models.vit:vit_tiny_p4", settings=("drop_path_rate",))
+ENCODERS.register("vit_small_p16", "tfmp.models.vit:vit_small_p16", settings=("drop_path_rate",))
+ENCODERS.register("vit_base_p16", "tfmp.models.vit:vit_base_p16", settings=("drop_path_rate",))
 
 DATASET_SOURCES.register("digits", "tfmp.data.datasets:load_digits")
 DATASET_SOURCES.register("folder", "tfmp.data.datasets:load_folder", argument="PATH", settings=("skip_unreadable_images",))

@@ -3,8 +3,9 @@
     MFU = achieved FLOP/s / peak FLOP/s
     achieved = training FLOPs per example x examples per second
     training FLOPs per example = 3 x forward FLOPs (forward + backward) x views (SimCLR & co: 2)
-    forward FLOPs = 2 x multiply-accumulates of every Conv2D and Dense layer (element-wise ops,
-                    BatchNorm and the loss are not counted)
+    forward FLOPs = 2 x multiply-accumulates of every Conv2D, Dense and EinsumDense layer and of attention's two
+                    matmuls (query x key, probabilities x value); element-wise ops, normalisation, softmax
+                    and the loss are not counted
     peak = cores x clock x FLOPs per cycle per core (for the precision's vector units)
 
 FLOPs per cycle per core, from the CPU's flags and family (`/proc/cpuinfo`):
@@ -33,22 +34,49 @@ from tfmp import hardware
 
 
 def forward_flops_per_example(model, input_shape) -> int:
-    """2 x MACs of the Conv2D and Dense layers of `model` for one example (see the module docstring)."""
+    """2 x MACs of the Conv2D, Dense and EinsumDense layers and of attention in `model`, for one example (see the
+    module docstring)."""
     import keras
 
-    from tfmp.diagnostics.layer_outputs import captured_outputs, leaf_layers
+    from tfmp.diagnostics.layer_outputs import captured_outputs, display_names, leaf_layers
 
-    kinds = {layer.name: layer for layer in leaf_layers(model) if isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense))}
+    layers = leaf_layers(model)
+    kinds = {name: layer for layer, name in display_names(layers).items()
+             if isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense, keras.layers.EinsumDense))}
     with captured_outputs(model) as captured:
         model(np.zeros((1, *input_shape), np.float32), training=False)
-    flops = 0
+    macs = 0
     for name, output in captured:
         layer = kinds.get(name)
         if layer is None:
             continue
         kernel = layer.kernel.shape  # Conv2D: (kh, kw, c_in, c_out); Dense: (in, out)
-        flops += 2 * int(np.prod(kernel[:-1])) * int(np.prod(output.shape[1:]))
-    return flops
+        if isinstance(layer, keras.layers.EinsumDense):  # the kernel's axes that the output does not have are summed
+            kernel_axes, output_axes = layer.equation.split(",")[1].split("->")
+            summed = [size for axis, size in zip(kernel_axes, kernel) if axis not in output_axes]
+            macs += int(np.prod(summed)) * int(np.prod(output.shape[1:]))
+        else:
+            macs += int(np.prod(kernel[:-1])) * int(np.prod(output.shape[1:]))
+    for attention, (queries, keys) in attention_lengths(model).items():
+        # logits: queries x keys per head over key_dim; output: queries x value_dim per head over the keys
+        value_dim = attention.value_dim or attention.key_dim
+        macs += attention.num_heads * queries * keys * (attention.key_dim + value_dim)
+    return 2 * macs
+
+
+def attention_lengths(model) -> dict:
+    """Every `MultiHeadAttention` layer in `model` (nested models too) -> (query length, key length), from the
+    shapes it was called with."""
+    import keras
+
+    from tfmp import keras_internals
+
+    lengths = {}
+    for layer in keras_internals.nested_layers(model):
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            query, value = keras.tree.flatten(layer.input)[:2]
+            lengths[layer] = (int(query.shape[1]), int(value.shape[1]))
+    return lengths
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,9 @@
   batch, in the layer's *compute* dtype — 2 bytes under mixed_bfloat16/float16, which
   is where mixed precision halves activation memory — plus the float32 copy that
   Keras' own BatchNormalization keeps under 16-bit policies (tfmp's fused
-  `BatchNormalization` keeps none). Shapes come from one forward pass on a single example.
+  `BatchNormalization` keeps none), and inside attention the projections, the attended values and the
+  heads x queries x keys probabilities (float32 softmax output, plus a 16-bit copy under mixed policies).
+  Shapes come from one forward pass on a single example.
   With activation checkpointing (`--remat`), a checkpointed block counts its output,
   and the largest block's activations once (they are recomputed one block at a time).
 
@@ -27,7 +29,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import precision
-from tfmp.diagnostics.layer_outputs import captured_outputs, leaf_layers
+from tfmp.diagnostics.flops import attention_lengths
+from tfmp.diagnostics.layer_outputs import captured_outputs, display_names, leaf_layers
 from tfmp.models.layers import BatchNormalization
 from tfmp.models.remat import CheckpointedBlock
 
@@ -68,14 +71,29 @@ def activation_bytes_per_example(model: keras.Model, input_shape: tuple[int, ...
     BatchNorm's input: counted here, because it is what erodes bf16's memory saving.
     tfmp's `BatchNormalization` on its fused path keeps the input in its own dtype.
     """
-    batch_norms = {layer.name for layer in leaf_layers(model) if _keeps_float32_copy(layer)}
+    layers = leaf_layers(model)
+    names = display_names(layers)
+    batch_norms = {names[layer] for layer in layers if _keeps_float32_copy(layer)}
     with captured_outputs(model) as captured:
         model(np.zeros((1, *input_shape), np.float32), training=False)
     kept = {}
     for name, tensor in captured:
         elements = int(np.prod(tensor.shape[1:]))
         kept[name] = elements * tensor.dtype.size + (elements * 4 if name in batch_norms else 0)
+    for attention, (queries, keys) in attention_lengths(model).items():
+        kept[attention.name] = _attention_bytes(attention, queries, keys, [kept.get(names[leaf], 0) for leaf in leaf_layers(attention)])
     return _kept_bytes(model, kept)
+
+
+def _attention_bytes(attention: keras.layers.MultiHeadAttention, queries: int, keys: int, projections: list[int]) -> int:
+    """What one `MultiHeadAttention` keeps for the backward pass, per example: its query, key, value and output
+    projections, the attended values (the output projection's input, the size of the queries') and the attention
+    probabilities — float32 from the softmax (Keras 3.15 takes it in float32) plus their cast to a 16-bit compute
+    dtype for the matmul with the values. These grow with the square of the token count."""
+    compute_size = np.dtype(attention.compute_dtype).itemsize if attention.compute_dtype != "bfloat16" else 2
+    probabilities = attention.num_heads * queries * keys * (4 + (compute_size if compute_size < 4 else 0))
+    attended = attention.num_heads * queries * (attention.value_dim or attention.key_dim) * compute_size
+    return sum(projections) + attended + probabilities
 
 
 def _kept_bytes(model: keras.Model, leaf_bytes: dict[str, int]) -> int:

@@ -70,11 +70,12 @@ class PrecisionReport:
         return float(min(max(lowest, 1.0), highest)), float(highest)
 
     def table(self) -> str:
-        header = (f"{'layer':<28} {'max |act|':>10} {'max |grad|':>10} {'fp16 over':>9} {'fp16 flush':>10} "
+        width = max([28, *(len(layer.name) for layer in self.layers)])  # a ViT's block3_attention/attention_output
+        header = (f"{'layer':<{width}} {'max |act|':>10} {'max |grad|':>10} {'fp16 over':>9} {'fp16 flush':>10} "
                   f"{'bf16 over':>9} {'bf16 flush':>10}")
         rows = [header, "-" * len(header)]
         for layer in self.layers:
-            rows.append(f"{layer.name[:28]:<28} {layer.max_activation:>10.3g} {layer.max_gradient:>10.3g} "
+            rows.append(f"{layer.name:<{width}} {layer.max_activation:>10.3g} {layer.max_gradient:>10.3g} "
                         f"{layer.overflow['float16']:>9.2%} {layer.underflow['float16']:>10.2%} "
                         f"{layer.overflow['bfloat16']:>9.2%} {layer.underflow['bfloat16']:>10.2%}")
         return "\n".join(rows)

@@ -16,14 +16,24 @@ from tfmp.models.remat import check_mode
 
 def check_image_size(name: str, input_shape: tuple[int, ...]) -> None:
     """Raises ValueError unless encoder `name` is registered and takes images of `input_shape` (its
-    downsampling needs the builder's `minimum_image_size`)."""
-    minimum = getattr(registry.ENCODERS.load(name), "minimum_image_size", 1)
+    downsampling needs the builder's `minimum_image_size`; a ViT's sides must be multiples of its `patch_size`)."""
+    builder = registry.ENCODERS.load(name)
+    minimum = getattr(builder, "minimum_image_size", 1)
     if min(input_shape[:2]) < minimum:
         raise ValueError(f"model {name} needs images of at least {minimum}px, got {input_shape[0]}; set --image_size")
+    patch = getattr(builder, "patch_size", 1)
+    if input_shape[0] % patch or input_shape[1] % patch:
+        raise ValueError(f"model {name} cuts {patch}x{patch} patches: the image size must be a multiple of {patch}, "
+                         f"got {input_shape[0]}x{input_shape[1]}; set --image_size")
+
+
+def takes_drop_path(name: str) -> bool:
+    """Whether encoder `name` has stochastic depth (`--drop_path_rate`): the ViTs."""
+    return getattr(registry.ENCODERS.load(name), "takes_drop_path", False)
 
 
 def build_encoder(name: str, input_shape: tuple[int, int, int], norm: NormSettings = NormSettings(), *,
-                  remat: str = "none", conv_weight_gradient: str = "auto") -> keras.Model:
+                  remat: str = "none", conv_weight_gradient: str = "auto", drop_path_rate: float = 0.0) -> keras.Model:
     """Builds the encoder registered as `name` (`tfmp.registry.ENCODERS`) for images of `input_shape`.
 
     Args:
@@ -32,13 +42,20 @@ def build_encoder(name: str, input_shape: tuple[int, int, int], norm: NormSettin
         norm: BatchNorm settings.
         remat: activation checkpointing (`tfmp.models.remat`): none, blocks, full.
         conv_weight_gradient: the weight-gradient mode of its convolutions (`tfmp.models.conv`).
+        drop_path_rate: stochastic depth of the last block (ViTs only; the rate rises linearly to it).
 
     Raises:
-        ValueError: unknown name, or images too small for it.
+        ValueError: unknown name, images too small for it, or stochastic depth asked of an encoder without it.
     """
     check_image_size(name, input_shape)
     check_mode(remat)
-    return registry.ENCODERS.load(name)(input_shape, norm=norm, remat=remat, conv_weight_gradient=conv_weight_gradient)
+    options = {}
+    if drop_path_rate:
+        if not takes_drop_path(name):
+            raise ValueError(f"model {name} has no stochastic depth: --drop_path_rate is for the ViT encoders")
+        options["drop_path_rate"] = drop_path_rate
+    return registry.ENCODERS.load(name)(input_shape, norm=norm, remat=remat, conv_weight_gradient=conv_weight_gradient,
+                                        **options)
 
 
 def build_classifier(encoder: keras.Model, num_classes: int, name: str = "classifier") -> keras.Model:
@@ -50,4 +67,4 @@ def build_classifier(encoder: keras.Model, num_classes: int, name: str = "classi
 
 from tfmp.models import export  # noqa: E402 — `tfmp.models.export.portable(model)`, after what it builds on
 
-__all__ = ["NormSettings", "build_encoder", "build_classifier", "check_image_size", "export"]
+__all__ = ["NormSettings", "build_encoder", "build_classifier", "check_image_size", "takes_drop_path", "export"]

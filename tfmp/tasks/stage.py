@@ -54,7 +54,7 @@ def norm_settings(config: Config, runtime: Runtime) -> models.NormSettings:
 def build_encoder(config: Config, runtime: Runtime, image_shape: tuple[int, int, int]) -> keras.Model:
     """`--model` for images of `image_shape`, as every task builds it (call inside the strategy's scope)."""
     return models.build_encoder(config.model, image_shape, norm_settings(config, runtime), remat=config.remat,
-                                conv_weight_gradient=runtime.conv_weight_gradient)
+                                conv_weight_gradient=runtime.conv_weight_gradient, drop_path_rate=config.drop_path_rate)
 
 
 MAX_AUTO_STEPS_PER_EXECUTION = 64

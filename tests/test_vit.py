@@ -1,0 +1,317 @@
+"""Vision Transformer encoders: the forward pass against attention written out in NumPy, sizes, the float32 islands
+under mixed precision, activation checkpointing, stochastic depth, 2 replicas against one device, XLA."""
+
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from scipy.special import erf
+
+from conftest import REPO
+from tfmp import data, distribute, models, precision, registry, ssl
+from tfmp.data import augment
+from tfmp.diagnostics import flops, memory, precision_report
+from tfmp.models import vit
+
+TINY = vit.ViTSize(patch=2, width=8, depth=1, heads=2, mlp_width=16)
+
+
+def _randomized(model, seed=0):
+    """Every weight drawn at random (LayerNorm scales around 1), so that no term of the forward pass hides."""
+    rng = np.random.default_rng(seed)
+    for weight in model.weights:
+        value = rng.normal(0.0, 0.3, weight.shape)
+        weight.assign((1.0 + value if weight.path.endswith("gamma") else value).astype(np.float32))
+    return model
+
+
+def _layer_norm(x, gamma, beta):
+    mean, variance = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    return (x - mean) / np.sqrt(variance + 1e-6) * gamma + beta
+
+
+def _numpy_vit(images, weights, size):
+    """The ViT forward pass written out: patches, projection + position embedding, pre-norm blocks, mean pooling."""
+    batch, height, width, channels = images.shape
+    p = size.patch
+    patches = images.reshape(batch, height // p, p, width // p, p, channels).transpose(0, 1, 3, 2, 4, 5)
+    tokens = patches.reshape(batch, -1, p * p * channels) @ weights["patch_embedding/kernel"] + weights["patch_embedding/bias"]
+    key_dim = size.width // size.heads
+    for block in range(size.depth):
+        def w(name):
+            return weights[f"block{block}_{name}"]
+        y = _layer_norm(tokens, w("attention_norm/gamma"), w("attention_norm/beta"))
+        q, k, v = (np.einsum("btw,whd->bthd", y, w(f"attention/{part}/kernel")) + w(f"attention/{part}/bias")
+                   for part in ("query", "key", "value"))
+        logits = np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(key_dim)
+        probabilities = np.exp(logits - logits.max(-1, keepdims=True))
+        probabilities /= probabilities.sum(-1, keepdims=True)
+        attended = np.einsum("bhts,bshd->bthd", probabilities, v)
+        tokens = tokens + np.einsum("bthd,hdw->btw", attended, w("attention/attention_output/kernel")) \
+            + w("attention/attention_output/bias")
+        y = _layer_norm(tokens, w("mlp_norm/gamma"), w("mlp_norm/beta"))
+        hidden = y @ w("mlp_hidden/kernel") + w("mlp_hidden/bias")
+        hidden = 0.5 * hidden * (1.0 + erf(hidden / math.sqrt(2.0)))  # exact GELU
+        tokens = tokens + hidden @ w("mlp_output/kernel") + w("mlp_output/bias")
+    return _layer_norm(tokens, weights["final_norm/gamma"], weights["final_norm/beta"]).mean(axis=1)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_forward_pass_matches_attention_written_out_in_numpy(depth):
+    size = vit.ViTSize(patch=2, width=8, depth=depth, heads=2, mlp_width=16)
+    encoder = _randomized(vit.vision_transformer((4, 6, 3), size, "tiny"))
+    weights = {weight.path: weight.numpy() for weight in encoder.weights}  # "block0_attention/query/kernel", ...
+    assert len(weights) == len(encoder.weights)
+    images = np.random.default_rng(1).normal(size=(3, 4, 6, 3)).astype(np.float32)
+    expected = _numpy_vit(images.astype(np.float64), {key: value.astype(np.float64) for key, value in weights.items()}, size)
+    np.testing.assert_allclose(encoder(images, training=False).numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+def _parameter_count(size: vit.ViTSize, image_side: int, channels: int = 3) -> int:
+    """ViT parameters by formula: patch projection, position embedding, blocks, final LayerNorm."""
+    tokens, width = (image_side // size.patch) ** 2, size.width
+    attention = 4 * (width * width + width)  # query, key, value, output projections with biases
+    mlp = width * size.mlp_width + size.mlp_width + size.mlp_width * width + width
+    return size.patch ** 2 * channels * width + tokens * width + size.depth * (attention + mlp + 4 * width) + 2 * width
+
+
+@pytest.mark.parametrize("name, shape", [("vit_micro_p2", (8, 8, 1)), ("vit_micro_p2", (16, 16, 3)), ("vit_tiny_p4", (32, 32, 3)),
+                                         ("vit_small_p16", (224, 224, 3)), ("vit_base_p16", (224, 224, 3))])
+def test_every_size_has_its_shape_and_parameters(name, shape):
+    encoder = models.build_encoder(name, shape)
+    size = vit.SIZES[name]
+    assert encoder.output_shape == (None, size.width)
+    assert encoder.count_params() == _parameter_count(size, shape[0], shape[2])
+    if name == "vit_small_p16":
+        # timm's vit_small_patch16_224 (22,050,664) less its CLS token, the CLS row of its position embedding, its
+        # patch-projection bias (folded into the position embedding here) and its 1000-class head.
+        assert encoder.count_params() == 22_050_664 - 3 * 384 - (384 * 1000 + 1000)
+
+
+def test_an_image_size_that_is_not_a_multiple_of_the_patch_is_refused():
+    with pytest.raises(ValueError, match=r"vit_tiny_p4 cuts 4x4 patches: the image size must be a multiple of 4, got 30x30"):
+        models.build_encoder("vit_tiny_p4", (30, 30, 3))
+    with pytest.raises(ValueError, match="no stochastic depth"):
+        models.build_encoder("small_cnn", (8, 8, 1), drop_path_rate=0.1)
+
+
+def _operation_dtypes(encoder, shape):
+    """(op type, dtype) -> count over the traced training forward pass."""
+    forward = tf.function(lambda images: encoder(images, training=True), autograph=False)
+    graph = forward.get_concrete_function(tf.TensorSpec((2, *shape), tf.float32)).graph
+    counts = {}
+    for operation in graph.get_operations():
+        dtype = next((operation.get_attr(name) for name in ("T",) if name in operation.node_def.attr), None)
+        key = (operation.type, getattr(dtype, "name", None))
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("policy, low", [("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")])
+def test_mixed_precision_keeps_softmax_and_layer_norm_in_float32_and_matmuls_low(policy, low):
+    keras.mixed_precision.set_global_policy(policy)
+    size = vit.ViTSize(patch=2, width=16, depth=2, heads=2, mlp_width=32)
+    encoder = vit.vision_transformer((8, 8, 1), size, "islands")
+    counts = _operation_dtypes(encoder, (8, 8, 1))
+    kinds = {kind for kind, _ in counts}
+    softmax = {dtype for kind, dtype in counts if kind == "Softmax"}
+    assert softmax == {"float32"}, counts  # attention probabilities
+    assert {dtype for kind, dtype in counts if kind == "Rsqrt"} == {"float32"}  # LayerNorm's statistics
+    assert sum(count for (kind, _), count in counts.items() if kind == "Rsqrt") == 2 * size.depth + 1
+    matmuls = {dtype for kind, dtype in counts if kind in ("MatMul", "BatchMatMulV2", "Einsum")}
+    assert matmuls == {low}, (kinds, counts)
+    assert all(weight.dtype == "float32" for weight in encoder.weights)  # float32 master weights
+    assert encoder(np.zeros((2, 8, 8, 1), np.float32)).dtype == low
+
+
+def test_blocks_remat_gives_the_gradients_of_no_remat():
+    images = np.random.default_rng(0).normal(size=(4, 8, 8, 1)).astype(np.float32)
+    plain = _randomized(models.build_encoder("vit_micro_p2", (8, 8, 1)))
+    checkpointed = models.build_encoder("vit_micro_p2", (8, 8, 1), remat="blocks")
+    checkpointed.set_weights(plain.get_weights())
+
+    def gradients(encoder):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(encoder(images, training=True)))
+        return loss, tape.gradient(loss, encoder.trainable_variables)
+
+    expected_loss, expected = gradients(plain)
+    loss, actual = gradients(checkpointed)
+    assert float(loss) == pytest.approx(float(expected_loss), rel=1e-6)
+    assert len(actual) == len(expected) == len(plain.trainable_variables)
+    for a, b in zip(actual, expected):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_stochastic_depth_drops_whole_branches_in_training_only():
+    encoder = models.build_encoder("vit_micro_p2", (8, 8, 1), drop_path_rate=0.5)
+    drops = [layer for layer in encoder.layers if isinstance(layer, keras.layers.Dropout)]
+    # Rates rise linearly from 0 (the first block has none) to the rate asked for.
+    assert sorted({layer.rate for layer in drops}) == pytest.approx([0.5 / 3, 1.0 / 3, 0.5])
+    images = np.random.default_rng(0).normal(size=(64, 8, 8, 1)).astype(np.float32)
+    np.testing.assert_array_equal(encoder(images, training=False), encoder(images, training=False))
+    assert not np.allclose(encoder(images, training=True), encoder(images, training=False))
+    # One draw per sample and branch: the branch output is all kept (scaled by 1/(1-rate)) or all zero.
+    kept = drops[-1](np.ones((64, 16, 64), np.float32), training=True).numpy()
+    assert set(np.unique(kept)) == {0.0, 2.0} and all(len(np.unique(sample)) == 1 for sample in kept)
+
+
+def _classifier_loss_and_gradients(model, images, labels, replicas):
+    with tf.GradientTape() as tape:
+        logits = model(images, training=True)
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        scaled = loss / replicas
+    return loss, tape.gradient(scaled, model.trainable_variables)
+
+
+def test_two_replicas_give_the_one_device_loss_and_gradients():
+    images = tf.random.stateless_normal((8, 8, 8, 1), seed=[3, 4])
+    labels = tf.range(8) % 10
+
+    def build(strategy):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            return models.build_classifier(models.build_encoder("vit_micro_p2", (8, 8, 1)), 10)
+
+    single = build(tf.distribute.get_strategy())
+    strategy = distribute.get_strategy("mirrored")
+    assert strategy.num_replicas_in_sync == 2
+    mirrored = build(strategy)
+    loss, gradients = tf.function(lambda: _classifier_loss_and_gradients(single, images, labels, 1))()
+
+    def replica_step():
+        rows = tf.range(4) + 4 * tf.distribute.get_replica_context().replica_id_in_sync_group
+        return _classifier_loss_and_gradients(mirrored, tf.gather(images, rows), tf.gather(labels, rows), 2)
+
+    losses, per_replica = tf.function(lambda: strategy.run(replica_step))()
+    assert np.mean([float(value) for value in strategy.experimental_local_results(losses)]) == pytest.approx(float(loss), rel=1e-5)
+    for expected, replicas, variable in zip(gradients, per_replica, single.trainable_variables):
+        np.testing.assert_allclose(strategy.reduce("SUM", replicas, axis=None).numpy(), expected.numpy(), rtol=1e-3, atol=1e-6,
+                                   err_msg=variable.path)
+
+
+@pytest.mark.parametrize("remat", ["none", pytest.param("blocks", marks=pytest.mark.slow)])  # 12 s, 18 s
+def test_the_training_step_compiles_with_xla(remat):
+    keras.utils.set_random_seed(0)
+    model = models.build_classifier(models.build_encoder("vit_micro_p2", (8, 8, 1), remat=remat, drop_path_rate=0.1), 10)
+    model.compile(optimizer=keras.optimizers.AdamW(1e-3), jit_compile=True,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    images = np.random.default_rng(0).normal(size=(64, 8, 8, 1)).astype(np.float32)
+    labels = np.arange(64) % 10
+    history = model.fit(images, labels, batch_size=16, epochs=3, verbose=0)
+    assert model.jit_compile
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def _ssl_method_on_a_tiny_vit(name, strategy):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        encoder = models.build_encoder("vit_micro_p2", (8, 8, 1))
+        method = registry.SSL_METHODS.load(name)
+        options = {"total_steps": 8} if issubclass(method, ssl.MomentumTwoViewModel) else {}
+        model = method(encoder, projection_dim=16, num_classes=10, norm=models.NormSettings(synchronized=True), seed=0,
+                       augment_config=augment.AugmentConfig(crop_scale=(0.5, 1.0), flip=False), **options)
+        model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.AdamW(1e-3)))
+    return model
+
+
+# ~10 s each, so under -m slow; the default suite trains a ViT through fit() in the XLA test above.
+@pytest.mark.slow
+@pytest.mark.parametrize("name, setup", [(name, setup) for setup in ("float32", "bf16", "two_replicas")
+                                         for name in registry.SSL_METHODS.names()])
+def test_every_ssl_method_trains_a_tiny_vit(name, setup):
+    if setup == "bf16":
+        precision.set_policy("mixed_bfloat16")
+    strategy = distribute.get_strategy("mirrored") if setup == "two_replicas" else tf.distribute.get_strategy()
+    model = _ssl_method_on_a_tiny_vit(name, strategy)
+    before = [weight.numpy() for weight in model.encoder.trainable_weights]
+    digits = data.load("digits")
+    history = model.fit(data.classification_pipeline(digits.train, 64, training=True, indices=np.arange(256)), epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all(), history.history
+    assert all(np.isfinite(weight.numpy()).all() for weight in model.weights)
+    changed = [not np.array_equal(old, weight.numpy()) for old, weight in zip(before, model.encoder.trainable_weights)]
+    assert all(changed), [weight.path for weight, moved in zip(model.encoder.trainable_weights, changed) if not moved]
+
+
+# ---------------------------------------------------------------------------- what the doctor and the memory estimate see
+
+
+def test_the_precision_doctor_reports_each_blocks_attention_on_its_own():
+    keras.utils.set_random_seed(0)
+    model = models.build_classifier(models.build_encoder("vit_micro_p2", (8, 8, 1)), 10)
+    query = next(weight for weight in model.weights if weight.path.endswith("block1_attention/query/kernel"))
+    query.assign(query.numpy() * 1e5)  # block 1's queries now overflow float16 (max 65504); block 0's do not
+    images = np.random.default_rng(0).random((16, 8, 8, 1), dtype=np.float32)
+    report = precision_report(model, [(images, np.arange(16) % 10)], steps=1)
+    names = [layer.name for layer in report.layers]
+    assert {f"block{block}_attention/{part}" for block in range(4) for part in ("query", "key", "value")} <= set(names)
+    assert "block1_attention/query" in report.overflowing_layers("float16")
+    assert "block0_attention/query" not in report.overflowing_layers("float16")
+    assert "block1_attention/attention_output" in report.table()  # names are not cut
+
+
+@pytest.mark.parametrize("policy, probability_bytes", [("float32", 4), ("mixed_bfloat16", 4 + 2)])
+def test_the_memory_estimate_counts_attention_probabilities_by_the_square_of_the_tokens(policy, probability_bytes):
+    keras.mixed_precision.set_global_policy(policy)
+    size = vit.ViTSize(patch=2, width=16, depth=2, heads=4, mlp_width=32)
+    rest = {}
+    for side in (8, 16, 24):  # 16, 64 and 144 tokens
+        tokens = (side // 2) ** 2
+        encoder = vit.vision_transformer((side, side, 1), size, "tiny")
+        total = memory.activation_bytes_per_example(encoder, (side, side, 1))
+        rest[tokens] = total - size.depth * size.heads * tokens * tokens * probability_bytes
+    # Without the probabilities (heads x tokens^2 per block) what is left is linear in the tokens (plus the pooled output).
+    assert 48 * (rest[144] - rest[64]) == 80 * (rest[64] - rest[16])
+    assert flops.forward_flops_per_example(encoder, (24, 24, 1)) > 9 * flops.forward_flops_per_example(
+        vit.vision_transformer((8, 8, 1), size, "tiny"), (8, 8, 1))
+
+
+@pytest.mark.slow  # ~25 s
+def test_the_memory_estimate_is_near_the_measured_peak_with_and_without_remat():
+    images = np.random.default_rng(0).random((32, 32, 32, 3), dtype=np.float32)
+    labels = np.arange(32) % 10
+    measured = {}
+    for remat in ("none", "blocks"):
+        keras.utils.set_random_seed(0)
+        model = models.build_classifier(models.build_encoder("vit_tiny_p4", (32, 32, 3), remat=remat), 10)
+        estimate = memory.estimate_memory(model, (32, 32, 3), 32)
+        peak = memory.measure_step_peak(model, images, labels)
+        measured[remat] = peak
+        assert 0.5 <= peak / (estimate.activations_bytes + estimate.gradients_bytes) <= 2.0, (remat, peak, estimate)
+    assert measured["blocks"] < 0.7 * measured["none"]
+
+
+def test_the_cifar10_vit_preset_is_a_valid_config():
+    """The GPU/TPU preset cannot run here (CIFAR-10 is not downloadable offline); its flags must still parse and pass
+    every check the CLI makes before touching the data."""
+    from absl import flags
+
+    from tfmp import config
+
+    flag_values = flags.FlagValues()
+    config.define_flags(flag_values)
+    flag_values(["tfmp.train", f"--flagfile={os.path.join(REPO, 'experiments', 'cifar10_mocov3_vit.cfg')}"])
+    parsed = config.validate(config.from_flags(flag_values))
+    assert (parsed.task, parsed.model, parsed.drop_path_rate) == ("mocov3", "vit_tiny_p4", 0.1)
+    models.check_image_size(parsed.model, (32, 32, 3))
+
+
+@pytest.mark.slow  # ~40 s
+def test_a_vit_pretrained_by_the_cli_serves_linear_eval_and_finetune(tmp_path):
+    from tfmp import training
+    from tfmp.config import Config
+
+    common = dict(dataset="digits", model="vit_micro_p2", precision="float32", strategy="off", global_batch_size=128,
+                  label_fraction=0.05, probe_epochs=5, flip=False)
+    metrics = training.run(Config(task="mocov3", epochs=2, **common), str(tmp_path / "pretrain"))
+    assert metrics["method"] == "mocov3" and np.isfinite(metrics["train_loss"])
+    encoder = str(tmp_path / "pretrain" / "encoder.keras")
+    evaluation = training.run(Config(task="linear_eval", encoder=encoder, **common), str(tmp_path / "eval"))
+    assert evaluation["linear_probe_accuracy"] > 0.2  # chance is 0.1 on digits' 10 classes
+    assert evaluation["knn_accuracy"] == pytest.approx(metrics["knn_accuracy"])  # the same encoder, the same labels
+    finetuned = training.run(Config(task="finetune", encoder=encoder, epochs=20, learning_rate=1e-3, **common),
+                             str(tmp_path / "finetune"))
+    assert finetuned["eval_accuracy"] > 0.2
