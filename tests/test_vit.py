@@ -315,3 +315,33 @@ def test_a_vit_pretrained_by_the_cli_serves_linear_eval_and_finetune(tmp_path):
     finetuned = training.run(Config(task="finetune", encoder=encoder, epochs=20, learning_rate=1e-3, **common),
                              str(tmp_path / "finetune"))
     assert finetuned["eval_accuracy"] > 0.2
+
+
+@pytest.mark.slow  # ~13 s: fp16 is TensorFlow's slow path on a CPU
+def test_fp16_with_loss_scaling_trains_the_digits_vit_preset_model_without_overflow():
+    """The digits ViT preset's encoder and method (MoCo v3) under mixed_float16 with tfmp's dynamic loss scale
+    (starting at Keras' 2^15): a few steps, none skipped, so the scale never had to come down."""
+    precision.set_policy("mixed_float16")
+    model = _ssl_method_on_a_tiny_vit("mocov3", tf.distribute.get_strategy())
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    digits = data.load("digits")
+    history = model.fit(data.classification_pipeline(digits.train, 64, training=True, indices=np.arange(256)), epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert precision.skipped_steps(model.optimizer) == 0
+    assert precision.current_loss_scale(model.optimizer) == 2.0 ** 15  # never halved (growth needs 2,000 steps)
+
+
+PEER = os.path.join(REPO, "experiments", "benchmarks", "torch_vit_peer.py")
+
+
+def test_the_pytorch_peer_builds_the_sizes_tfmp_builds():
+    import dataclasses
+    import runpy
+
+    peer = runpy.run_path(PEER)
+    assert peer["vit_sizes"]() == {name: dataclasses.asdict(size) for name, size in vit.SIZES.items()}
+    torch = pytest.importorskip("torch")  # never a tfmp dependency: checked where it is installed
+    network = peer["build"](torch, peer["vit_sizes"]()["vit_tiny_p4"], 32)
+    encoder = models.build_encoder("vit_tiny_p4", (32, 32, 3))
+    # + its 10-class head, + the patch convolution's bias (folded into the position embedding in tfmp's)
+    assert sum(parameter.numel() for parameter in network.parameters()) == encoder.count_params() + (192 * 10 + 10) + 192
