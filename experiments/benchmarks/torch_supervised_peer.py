@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import runpy
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIMCLR_PEER = os.path.join(HERE, "..", "..", "..", "shared", "bench", "torch_simclr_peer.py")
@@ -31,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    import torch.nn.functional as F
+    from torch_step import time_supervised_steps  # beside this file (run as a script)
 
     resnet = runpy.run_path(args.peer)["CifarResNet18"]
     torch.manual_seed(0)
@@ -40,21 +39,7 @@ def main() -> None:
     images = torch.rand(args.batch, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     labels = torch.randint(0, 10, (args.batch,))
 
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            logits = model(images)
-        loss = F.cross_entropy(logits.float(), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    for _ in range(3):
-        step()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    seconds = time.perf_counter() - start
+    seconds, loss = time_supervised_steps(torch, model, optimizer, images, labels, args.precision, args.steps, warmup=3)
     print(json.dumps({
         "framework": f"torch {torch.__version__}",
         "method": "supervised",
@@ -62,7 +47,7 @@ def main() -> None:
         "batch": args.batch,
         "steps": args.steps,
         "images_per_second": round(args.batch * args.steps / seconds, 2),
-        "final_loss": round(float(loss.detach()), 4),
+        "final_loss": round(loss, 4),
     }))
 
 

@@ -16,7 +16,6 @@ import argparse
 import ast
 import json
 import os
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VIT_MODULE = os.path.join(HERE, "..", "..", "tfmp", "models", "vit.py")
@@ -76,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    import torch.nn.functional as F
+    from torch_step import time_supervised_steps  # beside this file (run as a script)
 
     torch.manual_seed(0)
     model = build(torch, vit_sizes()[args.model], args.image_size)
@@ -84,21 +83,7 @@ def main() -> None:
     images = torch.rand(args.batch, 3, args.image_size, args.image_size)
     labels = torch.randint(0, 10, (args.batch,))
 
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            logits = model(images)
-        loss = F.cross_entropy(logits.float(), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    for _ in range(2):
-        step()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    seconds = time.perf_counter() - start
+    seconds, loss = time_supervised_steps(torch, model, optimizer, images, labels, args.precision, args.steps, warmup=2)
     print(json.dumps({
         "framework": f"torch {torch.__version__}",
         "model": args.model,
@@ -109,7 +94,7 @@ def main() -> None:
         "parameters": sum(parameter.numel() for parameter in model.parameters()),
         "step_time_ms": round(1000 * seconds / args.steps, 2),
         "images_per_second": round(args.batch * args.steps / seconds, 2),
-        "final_loss": round(float(loss.detach()), 4),
+        "final_loss": round(loss, 4),
     }))
 
 
