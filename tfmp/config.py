@@ -68,8 +68,9 @@ MIN_LOGICAL_DEVICES_ALLOWED = 4
 CONV_WEIGHT_GRADIENTS = ("auto", "tf", "tap_matmul")
 # Fields that say where things are or how a run is looked after, not what is trained:
 # they may change between a run and its resumption without making the two incompatible.
-CHANGEABLE_ON_RESUME = ("verbose", "data_dir", "tpu", "dry_run", "jit_compile", "conv_weight_gradient", "steps_per_execution",
-                        "worker_hosts", "task_index", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints",
+CHANGEABLE_ON_RESUME = ("verbose", "data_dir", "tpu", "dry_run", "device_memory", "ignore_memory_estimate", "jit_compile",
+                        "conv_weight_gradient", "steps_per_execution", "worker_hosts", "task_index", "checkpoint_every_steps",
+                        "checkpoint_every_seconds", "keep_checkpoints",
                         "nan_retries", "max_skipped_steps", "loss_explosion_factor", "replica_check_every_steps")
 
 
@@ -131,6 +132,33 @@ def momentum(name, value):
 
 def at_least_one(name, value):
     return None if value >= 1 else f"{name} must be >= 1, got {value}"
+
+
+MEMORY_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+                "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes in `text`: `16GiB`, `15.5GB`, `512MiB`, `1073741824`.
+
+    Raises:
+        ValueError: naming the forms it reads.
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in MEMORY_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"device_memory must be a size such as 16GiB, 15.5GB or 512MiB, got {text!r}")
+    return int(float(match.group(1)) * MEMORY_UNITS[unit])
+
+
+def memory_size(name, value):
+    if not value:
+        return None
+    try:
+        parse_memory_size(value)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def image_side(name, value):
@@ -252,7 +280,12 @@ class Config:
     compare_supervised: bool = _field(False, "After pretraining, also train the encoder from scratch on the labeled subset.")
     baseline_epochs: int = _field(200, "Epochs of the supervised baseline over the labeled subset.", positive_integer)
     baseline_learning_rate: float = _field(3e-3, "AdamW learning rate of the supervised baseline.", above_zero)
-    dry_run: bool = _field(False, "Build model and input pipeline, write WORKDIR/memory_estimate.json, and train nothing.")
+    dry_run: bool = _field(False, "Build model and input pipeline, write WORKDIR/memory_estimate.json (with the memory plan "
+                                  "when --device_memory is known), and train nothing.")
+    device_memory: str = _field("", "Memory of one device, e.g. 16GiB or 15.5GB: the memory plan names the cheapest --remat "
+                                    "that fits, and a run predicted not to fit is refused (empty: the GPU's own, where "
+                                    "nvidia-smi reports it; no plan on CPUs).", memory_size)
+    ignore_memory_estimate: bool = _field(False, "Run even where the memory plan predicts the run does not fit.")
     smoke: bool = _field(False, "Smoke variant of the preset: the whole pipeline on a few steps per phase (first contact, CI; "
                                 "about 20 s on 2 cores for the digits presets).")
     verbose: bool = _field(False, "Show TensorFlow's start-up lines, other libraries' INFO logs and the inner stages' epochs "

@@ -21,7 +21,7 @@ import tfmp
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import data as tfmp_data
 from tfmp import distribute, models, report, tasks
-from tfmp.config import CHANGEABLE_AFTER_FAILURE, Config, UsageError, load_json
+from tfmp.config import CHANGEABLE_AFTER_FAILURE, Config, UsageError, load_json, parse_memory_size
 from tfmp.run_directory import RunDirectory, check_before_run
 from tfmp.runtime import Runtime, prepare
 from tfmp.tasks import TrainingFailed  # noqa: F401 — TrainingFailed is part of this module's API
@@ -31,21 +31,48 @@ from tfmp.workdir_lock import WorkdirLock
 logger = logging.getLogger(__name__)
 
 
-def dry_run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, workdir: RunDirectory) -> dict:
-    """`--dry_run`: builds the model and input pipeline, writes and prints the memory estimate
-    per replica (`WORKDIR/memory_estimate.json`), and trains nothing."""
+def _memory_estimate(config: Config, data: tfmp_data.ImageData, runtime: Runtime, remat: str | None = None):
+    """The memory estimate per replica of `config`'s model (with `remat` instead of `--remat` when given)."""
     from tfmp.diagnostics import memory
 
+    config = config if remat is None else config.replace(remat=remat)
     per_replica = distribute.per_replica_batch_size(config.global_batch_size, runtime.num_replicas)
-    next(iter(tfmp_data.classification_pipeline(data.train, config.global_batch_size, training=False).take(1)))  # the pipeline builds
     with runtime.strategy.scope():
         # The same BatchNorm settings and checkpointing as training: both change what is kept.
         model = models.build_classifier(build_encoder(config, runtime, data.image_shape), data.num_classes)
         apply_float32_layers(model, config)
-    estimate = memory.estimate_memory(model, data.image_shape, per_replica, config.optimizer, views=tasks.get(config.task).views)
+    return memory.estimate_memory(model, data.image_shape, per_replica, config.optimizer, views=tasks.get(config.task).views)
+
+
+def memory_plan(config: Config, data: tfmp_data.ImageData, runtime: Runtime):
+    """`tfmp.diagnostics.planner.Plan` for one device of `--device_memory` (or the GPU's own memory); None when
+    neither is known. Builds the model once per remat mode, then seeds again, so the run initialises as without it."""
+    from tfmp.diagnostics import planner
+
+    device_bytes = parse_memory_size(config.device_memory) if config.device_memory else (
+        planner.gpu_memory_bytes() if tf.config.list_physical_devices("GPU") else None)
+    if device_bytes is None:
+        return None
+    per_replica = distribute.per_replica_batch_size(config.global_batch_size, runtime.num_replicas)
+    result = planner.plan(lambda mode: _memory_estimate(config, data, runtime, mode), device_bytes, config.remat, per_replica)
+    distribute.set_seed(config.seed)
+    return result
+
+
+def dry_run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, workdir: RunDirectory) -> dict:
+    """`--dry_run`: builds the model and input pipeline, writes and prints the memory estimate
+    per replica (`WORKDIR/memory_estimate.json`) and, given a device's memory, the plan; trains nothing."""
+    next(iter(tfmp_data.classification_pipeline(data.train, config.global_batch_size, training=False).take(1)))  # the pipeline builds
+    estimate = _memory_estimate(config, data, runtime)
     values = {"task": config.task, "model": config.model, "num_replicas": runtime.num_replicas, **estimate.to_dict()}
-    workdir.write_memory_estimate(values)
     print(estimate.summary())
+    plan = memory_plan(config, data, runtime)
+    if plan is not None:
+        values["plan"] = {"device_bytes": plan.device_bytes, "usable_bytes": plan.usable_bytes, "fits": plan.fits,
+                          "total_bytes_by_remat": plan.totals, "cheapest_fitting_remat": plan.cheapest_fitting,
+                          "largest_per_replica_batch": plan.largest_batch, "summary": plan.summary()}
+        print(plan.summary())
+    workdir.write_memory_estimate(values)
     return values
 
 
@@ -80,6 +107,10 @@ def run(config: Config, workdir: str | RunDirectory, *, extra_callbacks=(), chec
         raise UsageError(str(error)) from None
     if config.dry_run:
         return dry_run(config, data, runtime, directory)
+    if not config.ignore_memory_estimate:
+        plan = memory_plan(config, data, runtime)
+        if plan is not None and not plan.fits:
+            raise UsageError(f"{plan.summary()}; --ignore_memory_estimate runs it anyway")
 
     task = tasks.get(config.task)
     task.check_inputs(config, data)  # everything that can fail on user input fails here, before config.json is written

@@ -1,0 +1,73 @@
+"""The memory planner: what fits a device of `--device_memory`, the cheapest change that makes a run fit, and a run
+predicted not to fit refused before anything is written."""
+
+import json
+import re
+
+import pytest
+
+from tfmp import train
+from tfmp.config import Config, UsageError, parse_memory_size, validate
+from tfmp.diagnostics import planner
+from tfmp.diagnostics.memory import MemoryEstimate
+
+MIB = 2 ** 20
+
+
+def _estimate(activations_mib, state_mib=40):
+    return MemoryEstimate("float32", 64, state_mib * MIB // 4, state_mib * MIB // 4, state_mib * MIB // 2, activations_mib * MIB)
+
+
+@pytest.mark.parametrize("text, expected", [("16GiB", 16 * 2 ** 30), ("15.5GB", 15_500_000_000), ("512 MiB", 512 * MIB), ("4096", 4096)])
+def test_memory_sizes_are_read_in_both_units(text, expected):
+    assert parse_memory_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["16XB", "-1GiB", "0GiB", "many"])
+def test_a_bad_memory_size_is_refused_in_one_line_naming_the_forms(text):
+    with pytest.raises(UsageError, match=r"device_memory must be a size such as 16GiB, 15.5GB or 512MiB"):
+        validate(Config(device_memory=text))
+
+
+def test_the_plan_names_the_cheapest_remat_and_the_largest_batch_that_fit():
+    estimates = {"none": _estimate(600), "blocks": _estimate(200), "full": _estimate(100)}
+    plan = planner.plan(estimates.__getitem__, device_bytes=400 * MIB, remat="none", per_replica_batch=64)
+    # usable: 300 MiB; state 40 MiB; activations 600 MiB at 64 images -> 9.375 MiB an image -> 27 images fit
+    assert (plan.fits, plan.cheapest_fitting, plan.largest_batch) == (False, "blocks", 27)
+    assert "needs --remat=blocks" in plan.summary() and "at most 27 images/replica with --remat=none" in plan.summary()
+    roomy = planner.plan(estimates.__getitem__, device_bytes=4096 * MIB, remat="full", per_replica_batch=64)
+    assert roomy.fits and "--remat=none also fits" in roomy.summary()  # the faster choice is named
+    tight = planner.plan(estimates.__getitem__, device_bytes=50 * MIB, remat="none", per_replica_batch=64)
+    assert not tight.fits and "optimizer state alone take" in tight.summary()
+
+
+def test_the_recommendation_changes_as_the_device_memory_shrinks(tmp_path, capsys):
+    verdicts = []
+    for memory in ("8GiB", "2GiB", "600MiB", "100MiB"):
+        workdir = tmp_path / memory
+        assert train.main(["tfmp.train", f"--workdir={workdir}", "--dry_run", "--model=resnet18_cifar", "--image_size=32",
+                           "--precision=float32", "--strategy=off", "--global_batch_size=256", f"--device_memory={memory}"]) == 0
+        plan = json.loads((workdir / "memory_estimate.json").read_text())["plan"]
+        verdicts.append((plan["fits"], plan["cheapest_fitting_remat"], plan["summary"]))
+        assert plan["summary"] in capsys.readouterr().out
+    # 8 GiB: fits as asked; 2 GiB: --remat=blocks; 600 MiB: no remat mode, a smaller batch; 100 MiB: the state alone.
+    assert [verdict[:2] for verdict in verdicts] == [(True, "none"), (False, "blocks"), (False, None), (False, None)]
+    assert verdicts[0][2].startswith("memory plan: fits: --remat=none at 256 images/replica")
+    assert "needs --remat=blocks" in verdicts[1][2]
+    assert re.search(r"needs at most \d+ images/replica with --remat=none$", verdicts[2][2]), verdicts[2][2]
+    assert "weights, gradients and optimizer state alone take" in verdicts[3][2]
+
+
+def test_a_run_predicted_not_to_fit_is_refused_and_writes_nothing_unless_told_to_ignore_it(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    common = ["tfmp.train", f"--workdir={workdir}", "--precision=float32", "--strategy=off", "--epochs=1", "--global_batch_size=128"]
+    assert train.main([*common, "--device_memory=1MiB"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "memory plan: does not fit" in error and "--ignore_memory_estimate" in error
+    assert not workdir.exists()
+    assert train.main([*common, "--device_memory=1MiB", "--ignore_memory_estimate"]) == 0
+    ignored = json.loads((workdir / "metrics.json").read_text())
+    # The plan built the model three more times; the run still starts from the seed's weights.
+    assert train.main(["tfmp.train", f"--workdir={tmp_path / 'plain'}", *common[2:]]) == 0
+    plain = json.loads((tmp_path / "plain" / "metrics.json").read_text())
+    assert ignored["train_loss"] == plain["train_loss"] and ignored["eval_accuracy"] == plain["eval_accuracy"]

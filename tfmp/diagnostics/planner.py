@@ -1,0 +1,94 @@
+"""Memory planner: does the run fit one device, and if not, what is the cheapest change that makes it fit?
+
+Given a device's memory (`--device_memory=16GiB`, read by `tfmp.config.parse_memory_size`, or the GPU's own where
+`nvidia-smi` reports it), the planner estimates each activation-checkpointing mode (`tfmp.diagnostics.memory`) in
+the order of its cost in step time — `none`, then `blocks` (one extra forward pass of each block: 1.2-1.4x the step,
+measured), then `full` — and names the first that fits, and the largest per-replica batch that fits with the run's
+own mode. A configuration *fits*
+when its estimate is at most `USABLE_FRACTION` of the device: the estimate leaves out framework workspace and
+temporaries, and measured 0.64-0.91 of the allocator's peak on this project's models (BUILD_NOTES.md).
+
+What it does not plan: weights, gradients and optimizer state stay whole on every replica (tfmp shards none of
+them yet; BUILD_NOTES.md), so a model whose state alone does not fit is told so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from typing import Callable
+
+USABLE_FRACTION = 0.75
+REMAT_BY_COST = ("none", "blocks", "full")
+
+
+def gib(count: int) -> str:
+    return f"{count / 2 ** 30:.2f} GiB"
+
+
+def gpu_memory_bytes() -> int | None:
+    """The first GPU's memory as `nvidia-smi` reports it; None without one. Untested here (no GPU): BUILD_NOTES."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                capture_output=True, text=True, timeout=20, check=True)
+        return int(result.stdout.split()[0]) * 2 ** 20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What fits in `device_bytes`: the run's own estimate, every remat mode's, and the verdict."""
+
+    device_bytes: int
+    remat: str
+    per_replica_batch: int
+    totals: dict[str, int]  # remat mode -> estimated bytes per replica at the run's batch
+    state_bytes: int  # weights + gradients + optimizer state: what no remat mode changes
+    largest_batch: int  # the largest per-replica batch that fits with the run's own remat mode (0: none)
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.device_bytes * USABLE_FRACTION)
+
+    @property
+    def fits(self) -> bool:
+        return self.totals[self.remat] <= self.usable_bytes
+
+    @property
+    def cheapest_fitting(self) -> str | None:
+        """The cheapest remat mode that fits at the run's batch (None: none does)."""
+        return next((mode for mode in REMAT_BY_COST if mode in self.totals and self.totals[mode] <= self.usable_bytes), None)
+
+    def summary(self) -> str:
+        """One line: fits, or what would."""
+        budget = f"{gib(self.usable_bytes)} usable of {gib(self.device_bytes)}"
+        own = f"--remat={self.remat} at {self.per_replica_batch} images/replica: {gib(self.totals[self.remat])}"
+        if self.fits:
+            cheaper = self.cheapest_fitting
+            hint = f"; --remat={cheaper} also fits ({gib(self.totals[cheaper])}) and is faster" if (
+                REMAT_BY_COST.index(cheaper) < REMAT_BY_COST.index(self.remat)) else ""
+            return f"memory plan: fits: {own} ({budget}){hint}"
+        if self.state_bytes > self.usable_bytes:
+            return (f"memory plan: does not fit: weights, gradients and optimizer state alone take {gib(self.state_bytes)} "
+                    f"({budget}); tfmp does not shard them (see BUILD_NOTES.md)")
+        cheaper = self.cheapest_fitting
+        options = [f"--remat={cheaper} ({gib(self.totals[cheaper])})"] if cheaper else []
+        if self.largest_batch:
+            options.append(f"at most {self.largest_batch} images/replica with --remat={self.remat}")
+        return f"memory plan: does not fit: {own} ({budget}); needs {' or '.join(options) or 'a smaller model'}"
+
+
+def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_replica_batch: int) -> Plan:
+    """Plans from `estimate(remat_mode) -> MemoryEstimate` (built at the run's per-replica batch)."""
+    estimates = {mode: estimate(mode) for mode in REMAT_BY_COST}
+    own = estimates[remat]
+    state = own.params_bytes + own.gradients_bytes + own.optimizer_bytes
+    per_example = own.activations_bytes / max(per_replica_batch, 1)
+    room = int(device_bytes * USABLE_FRACTION) - state
+    largest = int(room // per_example) if per_example and room > 0 else 0
+    return Plan(device_bytes, remat, per_replica_batch, {mode: value.total_bytes for mode, value in estimates.items()}, state,
+                max(0, largest))
