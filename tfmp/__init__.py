@@ -33,8 +33,8 @@ __version__ = "0.1.0"
 _logs.install_library_default()  # tfmp's choices are seen once even where nobody configured logging
 
 _SUBMODULES = ("bench", "callbacks", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware", "keras_internals",
-               "launch", "logs", "models", "optimizers", "precision", "registry", "report", "run_directory", "runtime", "ssl", "tasks",
-               "tf_environment", "train", "training", "upstream", "workdir_lock")
+               "launch", "logs", "models", "optimizers", "precision", "registry", "report", "run_directory", "runtime", "sharding",
+               "ssl", "tasks", "tf_environment", "train", "training", "upstream", "workdir_lock")
 
 
 def __getattr__(name):

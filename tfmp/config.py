@@ -62,6 +62,7 @@ JIT_COMPILE_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "off", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
 OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
+OPTIMIZER_SHARDINGS = ("none", "zero1")
 REMAT_MODES = ("none", "blocks", "full")
 MAX_IMAGE_SIZE = 1024  # --image_size above this: a decoded data set of many GB, not what tfmp's encoders are for
 MIN_LOGICAL_DEVICES_ALLOWED = 4
@@ -240,6 +241,10 @@ class Config:
     remat: str = _field("none", f"Activation checkpointing: {', '.join(REMAT_MODES)} (blocks: recompute each residual "
                                 "or transformer block in the backward pass; full: also each ResNet stage around its blocks).",
                         one_of(*REMAT_MODES))
+    optimizer_sharding: str = _field("none", f"Optimizer-state sharding across replicas: {', '.join(OPTIMIZER_SHARDINGS)} "
+                                             "(zero1: each replica keeps and updates the optimizer state of its share of the "
+                                             "weights; weights and gradients stay whole; single-machine strategies).",
+                                     one_of(*OPTIMIZER_SHARDINGS))
     drop_path_rate: float = _field(0.0, "ViT encoders: stochastic depth of the last block (DeiT's drop path), rising "
                                         "linearly from 0 at the first.", momentum)
     conv_weight_gradient: str = _field("auto", f"Convolution weight gradient: {', '.join(CONV_WEIGHT_GRADIENTS)} (auto: one bf16 "
@@ -363,6 +368,9 @@ def _check_plugin_settings(config: Config, registry: tfmp_registry.Registry, cho
 
 
 def _check_workers(config: Config) -> None:
+    if config.optimizer_sharding == "zero1" and (config.worker_hosts or config.strategy == "multi_worker_mirrored"):
+        raise UsageError("--optimizer_sharding=zero1 is not supported across workers yet (its checkpoint gathers the state "
+                         "through one machine's replicas); use --strategy=mirrored or --optimizer_sharding=none")
     if config.worker_hosts:
         hosts = config.worker_hosts.split(",")
         if config.strategy != "multi_worker_mirrored":

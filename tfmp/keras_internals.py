@@ -133,6 +133,24 @@ def variable_index(optimizer: keras.optimizers.Optimizer, variable) -> int:
     return optimizer._get_variable_index(variable)
 
 
+def uses_weight_decay(optimizer: keras.optimizers.Optimizer, variable) -> bool:
+    """Whether Keras' decoupled weight decay applies to `variable` (its exclusion lists and pattern)."""
+    return optimizer._use_weight_decay(variable)
+
+
+# Where Keras 3.15 keeps each optimizer's slot variables, by the name tfmp.sharding gives them.
+_SLOT_ATTRIBUTES = {"momentum": ("_momentums", "momentums"), "velocity": ("_velocities",)}
+
+
+def optimizer_slot(optimizer: keras.optimizers.Optimizer, name: str, variable):
+    """The slot variable `name` (momentum, velocity) of a built optimizer for `variable`."""
+    for attribute in _SLOT_ATTRIBUTES[name]:
+        slots = getattr(optimizer, attribute, None)
+        if slots:
+            return slots[variable_index(optimizer, variable)]
+    raise KeyError(f"{type(optimizer).__name__} has no {name} slots")
+
+
 class LossScaleOptimizerHooks(keras.optimizers.LossScaleOptimizer):
     """Keras' `LossScaleOptimizer` whose private steps call public hooks, for subclasses to override.
 

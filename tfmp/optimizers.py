@@ -55,13 +55,14 @@ class LARS(keras.optimizers.Optimizer):
         super().build(variables)
         self.momentums = self.add_optimizer_variables(variables, "momentum")
 
-    def _adapts(self, variable) -> bool:
+    def adapts(self, variable) -> bool:
+        """Whether `variable` gets the trust ratio and weight decay (matrices and kernels not named in `exclude_names`)."""
         return len(variable.shape) > 1 and not any(fragment in getattr(variable, "path", variable.name) for fragment in self.exclude_names)
 
     def update_step(self, gradient, variable, learning_rate):
         learning_rate = ops.cast(learning_rate, variable.dtype)
         gradient = ops.cast(gradient, variable.dtype)
-        if self._adapts(variable):
+        if self.adapts(variable):
             gradient = gradient + self.lars_weight_decay * variable
             weight_norm, gradient_norm = ops.norm(ops.reshape(variable, [-1])), ops.norm(ops.reshape(gradient, [-1]))
             trust = ops.where(
@@ -110,7 +111,8 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     Call inside the strategy scope, after `precision.set_policy`.
 
     Args:
-        config: optimizer, learning rate and its scaling, epochs, warmup, weight decay, loss scale.
+        config: optimizer, learning rate and its scaling, epochs, warmup, weight decay, loss scale, and
+            `optimizer_sharding` (`zero1`: `tfmp.sharding.ZeroOneOptimizer` inside the loss scaling).
         steps_per_epoch: optimizer steps per epoch.
     """
     peak = scaled_learning_rate(config.learning_rate, config.global_batch_size, config.learning_rate_scaling)
@@ -124,6 +126,10 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
         optimizer = keras.optimizers.AdamW(schedule, weight_decay=config.weight_decay)
     if config.weight_decay and config.optimizer != "lars":
         optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY_NAMES))
+    if config.optimizer_sharding == "zero1":
+        from tfmp.sharding import ZeroOneOptimizer  # it builds on this module's LARS
+
+        optimizer = ZeroOneOptimizer(optimizer)
     return precision.wrap_optimizer(
         optimizer,
         loss_scale=config.loss_scale,

@@ -124,7 +124,7 @@ def _keeps_float32_copy(layer: keras.layers.Layer) -> bool:
 
 
 def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replica_batch: int, optimizer: str = "adamw",
-                    views: int = 1) -> MemoryEstimate:
+                    views: int = 1, optimizer_shards: int = 1) -> MemoryEstimate:
     """Estimates one replica's training memory.
 
     Args:
@@ -133,6 +133,8 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
         per_replica_batch: examples per replica per step.
         optimizer: name in `OPTIMIZER_SLOTS`.
         views: forward passes per example (2 for SimCLR's two views).
+        optimizer_shards: replicas the optimizer state is sharded over (`--optimizer_sharding=zero1`): each holds
+            its share (whole variables, so up to the largest variable's state more than an even share).
     """
     params = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
     trainable = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
@@ -142,7 +144,7 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
         per_replica_batch=per_replica_batch,
         params_bytes=params,
         gradients_bytes=trainable,
-        optimizer_bytes=trainable * OPTIMIZER_SLOTS.get(optimizer, 2),
+        optimizer_bytes=-(-trainable * OPTIMIZER_SLOTS.get(optimizer, 2) // optimizer_shards),
         activations_bytes=activations,
     )
 

@@ -8,8 +8,8 @@ own mode. A configuration *fits*
 when its estimate is at most `USABLE_FRACTION` of the device: the estimate leaves out framework workspace and
 temporaries, and measured 0.64-0.91 of the allocator's peak on this project's models (BUILD_NOTES.md).
 
-What it does not plan: weights, gradients and optimizer state stay whole on every replica (tfmp shards none of
-them yet; BUILD_NOTES.md), so a model whose state alone does not fit is told so.
+Where the weights, gradients and optimizer state alone do not fit, it says so, and what sharding the optimizer state
+over the replicas (`--optimizer_sharding=zero1`) would leave; tfmp does not shard weights or gradients.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Plan:
     totals: dict[str, int]  # remat mode -> estimated bytes per replica at the run's batch
     state_bytes: int  # weights + gradients + optimizer state: what no remat mode changes
     largest_batch: int  # the largest per-replica batch that fits with the run's own remat mode (0: none)
+    zero1_state_bytes: int = 0  # the state with the optimizer's sharded over the replicas (`--optimizer_sharding=zero1`)
 
     @property
     def usable_bytes(self) -> int:
@@ -73,8 +74,10 @@ class Plan:
                 REMAT_BY_COST.index(cheaper) < REMAT_BY_COST.index(self.remat)) else ""
             return f"memory plan: fits: {own} ({budget}){hint}"
         if self.state_bytes > self.usable_bytes:
+            sharding = (f"; --optimizer_sharding=zero1 would leave {gib(self.zero1_state_bytes)}"
+                        if self.zero1_state_bytes < self.state_bytes else "")
             return (f"memory plan: does not fit: weights, gradients and optimizer state alone take {gib(self.state_bytes)} "
-                    f"({budget}); tfmp does not shard them (see BUILD_NOTES.md)")
+                    f"({budget}){sharding}; tfmp does not shard weights or gradients (see BUILD_NOTES.md)")
         cheaper = self.cheapest_fitting
         options = [f"--remat={cheaper} ({gib(self.totals[cheaper])})"] if cheaper else []
         if self.largest_batch:
@@ -82,13 +85,14 @@ class Plan:
         return f"memory plan: does not fit: {own} ({budget}); needs {' or '.join(options) or 'a smaller model'}"
 
 
-def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_replica_batch: int) -> Plan:
-    """Plans from `estimate(remat_mode) -> MemoryEstimate` (built at the run's per-replica batch)."""
+def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_replica_batch: int, replicas: int = 1) -> Plan:
+    """Plans from `estimate(remat_mode) -> MemoryEstimate` (built at the run's per-replica batch and sharding)."""
     estimates = {mode: estimate(mode) for mode in REMAT_BY_COST}
     own = estimates[remat]
     state = own.params_bytes + own.gradients_bytes + own.optimizer_bytes
     per_example = own.activations_bytes / max(per_replica_batch, 1)
     room = int(device_bytes * USABLE_FRACTION) - state
     largest = int(room // per_example) if per_example and room > 0 else 0
+    zero1_state = own.params_bytes + own.gradients_bytes + -(-own.optimizer_bytes // replicas)
     return Plan(device_bytes, remat, per_replica_batch, {mode: value.total_bytes for mode, value in estimates.items()}, state,
-                max(0, largest))
+                max(0, largest), zero1_state)

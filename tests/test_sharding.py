@@ -1,0 +1,243 @@
+"""ZeRO stage 1 (`tfmp.sharding.ZeroOneOptimizer`) on 2 CPU replicas: the same weights as the unsharded optimizer,
+half the optimizer state on each replica, and a checkpoint that resumes on another number of replicas."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmp import distribute, keras_internals, models, optimizers, sharding
+
+STEPS = 20
+
+
+def _optimizer(kind):
+    schedule = optimizers.warmup_cosine(0.01, total_steps=STEPS, warmup_steps=3)
+    if kind == "adamw":
+        optimizer = keras.optimizers.AdamW(schedule, weight_decay=0.05)
+        optimizer.exclude_from_weight_decay(var_names=list(optimizers.NO_DECAY_NAMES))
+        return optimizer
+    if kind == "sgd":
+        return keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    return optimizers.LARS(schedule, momentum=0.9, weight_decay=1e-4)
+
+
+def _model(strategy, kind, zero1):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu", name="conv"),
+                                  keras.layers.Flatten(), keras.layers.Dense(16, activation="relu", name="hidden"),
+                                  keras.layers.Dense(10, name="logits")])
+        optimizer = _optimizer(kind)
+        model.optimizer = sharding.ZeroOneOptimizer(optimizer) if zero1 else optimizer
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _train(model, strategy, images, labels, steps=STEPS):
+    per_replica = images.shape[0] // strategy.num_replicas_in_sync
+
+    def replica_step(step):
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        rows = (tf.range(per_replica) + replica * per_replica + step * 7) % images.shape[0]
+        with tf.GradientTape() as tape:
+            logits = model(tf.gather(images, rows), training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(tf.gather(labels, rows), logits, from_logits=True))
+            scaled = loss / strategy.num_replicas_in_sync
+        gradients = tape.gradient(scaled, model.trainable_variables)
+        model.optimizer.apply(gradients, model.trainable_variables)
+        return loss
+
+    step_function = tf.function(lambda step: strategy.run(replica_step, args=(step,)))
+    for step in range(steps):
+        step_function(tf.constant(step))
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 8, 8, 1)).astype(np.float32), (np.arange(64) % 10).astype(np.int64)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "lars"])
+def test_zero1_on_two_replicas_ends_where_the_unsharded_optimizer_does(kind):
+    strategy = distribute.get_strategy("mirrored")
+    assert strategy.num_replicas_in_sync == 2
+    images, labels = _data()
+    plain, sharded = _model(strategy, kind, zero1=False), _model(strategy, kind, zero1=True)
+    for a, b in zip(plain.weights, sharded.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    _train(plain, strategy, images, labels)
+    _train(sharded, strategy, images, labels)
+    moved = 0
+    for a, b, start in zip(plain.weights, sharded.weights, _model(strategy, kind, zero1=False).weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
+        moved += not np.allclose(a.numpy(), start.numpy())
+    assert moved == len(plain.weights)  # every weight trained
+    assert int(sharded.optimizer.iterations.numpy()) == int(sharded.optimizer.inner.iterations.numpy()) == STEPS
+    # Every replica holds the same weights afterwards.
+    for variable in sharded.weights:
+        first, second = strategy.experimental_local_results(variable.value)
+        np.testing.assert_array_equal(first.numpy(), second.numpy())
+
+
+def test_each_replica_holds_half_the_optimizer_state():
+    strategy = distribute.get_strategy("mirrored")
+    plain, sharded = _model(strategy, "adamw", zero1=False), _model(strategy, "adamw", zero1=True)
+    # Unsharded: every replica holds both Adam moments of every weight.
+    unsharded = sum(int(np.prod(v.shape)) * 4 for v in plain.optimizer.variables if len(v.shape)) 
+    per_replica = sharded.optimizer.state_bytes_per_replica()
+    largest = max(int(np.prod(v.shape)) for v in plain.trainable_variables) * 4 * 2
+    assert len(per_replica) == 2
+    assert all(abs(held - unsharded / 2) <= largest for held in per_replica), (per_replica, unsharded)
+
+
+def test_the_checkpointed_state_is_whole_and_resumes_on_one_replica(tmp_path):
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    sharded = _model(strategy, "adamw", zero1=True)
+    _train(sharded, strategy, images, labels, steps=5)
+    path = tf.train.Checkpoint(model=sharded, optimizer=sharded.optimizer).write(str(tmp_path / "ckpt"))
+    state = sharded.optimizer.gathered_state()
+    assert set(state) == {f"{slot}:{index}" for slot in ("momentum", "velocity") for index in range(len(sharded.trainable_variables))}
+
+    # The same checkpoint on one device: its whole state lands in the unsharded optimizer's slots.
+    single = _model(tf.distribute.get_strategy(), "adamw", zero1=True)
+    tf.train.Checkpoint(model=single, optimizer=single.optimizer).read(path).expect_partial()
+    for key, value in state.items():
+        slot, index = key.split(":")
+        variable = single.trainable_variables[int(index)]
+        np.testing.assert_array_equal(keras_internals.optimizer_slot(single.optimizer.inner, slot, variable).numpy(), value)
+    for a, b in zip(single.weights, sharded.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert int(single.optimizer.inner.iterations.numpy()) == 5
+
+    # Both continue 5 steps: the same weights within float32 rounding.
+    _train(single, tf.distribute.get_strategy(), images, labels, steps=5)
+    _train(sharded, strategy, images, labels, steps=5)
+    for a, b in zip(single.weights, sharded.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
+
+
+def test_zero1_under_bf16_matches_the_unsharded_optimizer():
+    """One step: equal within float32 rounding. Over 20 steps a last-bit difference in a float32 weight can flip the
+    bf16 rounding of an activation, and the runs drift apart (measured: max |difference| 8e-4 after 20 steps)."""
+    from tfmp import precision
+
+    precision.set_policy("mixed_bfloat16")
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    plain, sharded = _model(strategy, "adamw", zero1=False), _model(strategy, "adamw", zero1=True)
+    for steps, tolerance in ((1, 1e-6), (STEPS - 1, 5e-3)):
+        _train(plain, strategy, images, labels, steps=steps)
+        _train(sharded, strategy, images, labels, steps=steps)
+        for a, b in zip(plain.weights, sharded.weights):
+            assert a.dtype == "float32"
+            np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=tolerance, atol=tolerance, err_msg=f"{a.path} after {steps}")
+
+
+def test_fp16_overflow_on_one_replica_skips_the_step_on_both_and_leaves_the_weights():
+    from tfmp import precision
+
+    precision.set_policy("mixed_float16")
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10, name="logits")])
+        model.optimizer = precision.wrap_optimizer(sharding.ZeroOneOptimizer(keras.optimizers.AdamW(1e-3)))
+        model.optimizer.build(model.trainable_variables)
+    before = [w.numpy() for w in model.weights]
+
+    def replica_step(poison):
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        rows = tf.range(32) + replica * 32
+        with tf.GradientTape() as tape:
+            logits = model(tf.gather(images, rows), training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(tf.gather(labels, rows), logits, from_logits=True))
+            # Replica 1 alone overflows on the poisoned step.
+            loss = loss * tf.where(tf.logical_and(poison, tf.equal(replica, 1)), tf.constant(np.inf, loss.dtype), 1.0)
+            scaled = model.optimizer.scale_loss(loss / 2)
+        gradients = tape.gradient(scaled, model.trainable_variables)
+        model.optimizer.apply(gradients, model.trainable_variables)
+
+    step = tf.function(lambda poison: strategy.run(replica_step, args=(poison,)))
+    step(tf.constant(True))
+    assert precision.skipped_steps(model.optimizer) == 1
+    for old, variable in zip(before, model.weights):
+        for component in strategy.experimental_local_results(variable.value):
+            np.testing.assert_array_equal(component.numpy(), old)
+    step(tf.constant(False))
+    assert precision.skipped_steps(model.optimizer) == 1
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+    assert not np.array_equal(model.weights[0].numpy(), before[0])
+
+
+def test_fit_with_zero1_matches_fit_without():
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    results = []
+    for zero1 in (False, True):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = models.build_classifier(models.build_encoder("small_cnn", (8, 8, 1)), 10)
+            optimizer = _optimizer("sgd")
+            model.compile(optimizer=sharding.ZeroOneOptimizer(optimizer) if zero1 else optimizer,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(images, labels, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        results.append([w.numpy() for w in model.weights])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_a_rerun_through_default_callbacks_restores_the_sharded_state(tmp_path):
+    from tfmp import callbacks
+
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+
+    def build():
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            encoder = models.build_encoder("small_cnn", (8, 8, 1), models.NormSettings(synchronized=True))  # as tfmp's tasks
+            model = models.build_classifier(encoder, 10)
+            model.compile(optimizer=sharding.ZeroOneOptimizer(_optimizer("adamw")),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    first = build()
+    first.fit(images, labels, batch_size=32, epochs=2, verbose=0, callbacks=callbacks.default_callbacks(str(tmp_path / "run")))
+    state = first.optimizer.gathered_state()
+    assert state and any(np.abs(value).max() > 0 for value in state.values())
+    rerun = build()  # the same script again: nothing left to train, everything restored
+    rerun.fit(images, labels, batch_size=32, epochs=2, verbose=0, callbacks=callbacks.default_callbacks(str(tmp_path / "run")))
+    restored = rerun.optimizer.gathered_state()
+    assert restored.keys() == state.keys()
+    for key in state:
+        np.testing.assert_array_equal(restored[key], state[key], err_msg=key)
+    assert int(rerun.optimizer.iterations.numpy()) == int(first.optimizer.iterations.numpy()) == 4
+
+
+def test_the_cli_trains_with_zero1_like_without(tmp_path):
+    import json
+
+    from tfmp import train
+
+    metrics = {}
+    for sharding_mode in ("none", "zero1"):
+        workdir = tmp_path / sharding_mode
+        assert train.main(["tfmp.train", f"--workdir={workdir}", "--strategy=mirrored", "--num_cpu_devices=2", "--precision=float32",
+                           "--epochs=3", "--global_batch_size=128", f"--optimizer_sharding={sharding_mode}"]) == 0
+        metrics[sharding_mode] = json.loads((workdir / "metrics.json").read_text())
+    assert metrics["zero1"]["steps"] == metrics["none"]["steps"]
+    assert metrics["zero1"]["train_loss"] == pytest.approx(metrics["none"]["train_loss"], rel=1e-3)
+    assert metrics["zero1"]["eval_accuracy"] == pytest.approx(metrics["none"]["eval_accuracy"], abs=0.01)
+
+
+def test_zero1_across_workers_is_refused_in_one_line(capsys, tmp_path):
+    from tfmp import train
+
+    assert train.main(["tfmp.train", f"--workdir={tmp_path / 'run'}", "--strategy=multi_worker_mirrored",
+                       "--optimizer_sharding=zero1"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "--optimizer_sharding=zero1 is not supported across workers yet" in error
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,302 @@
+"""Optimizer-state sharding across replicas: ZeRO stage 1 on tf.distribute's own collectives.
+
+`ZeroOneOptimizer(inner)` wraps AdamW/Adam, SGD (with or without momentum) or tfmp's LARS. Under a strategy with N
+replicas, each replica keeps the optimizer state (Adam's two moments, the momentum) of its share of the variables
+only — whole variables, balanced by bytes, so per-layer rules (LARS' trust ratio, weight-decay exclusions) still see
+whole layers. A step:
+
+1. all-reduces the gradients (SUM, as Keras does: each replica's loss is already divided by N);
+2. on each replica, updates its share of the variables with its share of the state (a `tf.switch_case` on the replica
+   id: each branch is one share's update, and only the replica's own branch runs);
+3. all-gathers the updated shares (`ReplicaContext.all_gather`) and writes every variable on every replica
+   (`merge_call` + `extended.update`, Keras' own way of writing mirrored variables).
+
+The state lives in per-replica (`ON_READ`) flat buffers as long as the largest share. What each update computes is
+Keras' own update rule for that optimizer, written as a function of (weight, gradient, state): tests hold it equal to
+the unsharded optimizer within float32 rounding. On one replica the wrapper applies the inner optimizer unchanged.
+
+Checkpoints hold the state layout-free: per variable, whole, gathered on the host when a checkpoint is written
+(`tf.train.experimental.PythonState`), so a run resumes on another number of replicas.
+
+Not sharded: weights and gradients stay whole on every replica (ZeRO stages 2 and 3, FSDP). Limits (refused with
+one line where they apply): MultiWorkerMirroredStrategy (the checkpoint gathers through the local replicas only),
+gradient clipping, EMA, gradient accumulation, and optimizers other than the three above.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmp import keras_internals
+from tfmp.optimizers import LARS
+
+logger = logging.getLogger(__name__)
+
+
+def assign_shards(sizes: list[int], count: int) -> list[list[int]]:
+    """Variable indices per replica: whole variables, largest first onto the lightest replica (balanced by bytes)."""
+    shards: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        lightest = loads.index(min(loads))
+        shards[lightest].append(index)
+        loads[lightest] += sizes[index]
+    return [sorted(shard) for shard in shards]
+
+
+def _slot_names(optimizer) -> tuple[str, ...]:
+    if isinstance(optimizer, keras.optimizers.Adam):  # AdamW is an Adam
+        return ("momentum", "velocity")
+    if isinstance(optimizer, LARS):
+        return ("momentum",)
+    if isinstance(optimizer, keras.optimizers.SGD):
+        return ("momentum",) if optimizer.momentum else ()
+    raise ValueError(f"optimizer_sharding=zero1 supports AdamW, Adam, SGD and LARS, not {type(optimizer).__name__}")
+
+
+class ShardedState(tf.train.experimental.PythonState):
+    """The sharded optimizer state in a checkpoint: whole per variable path, whatever the replica layout."""
+
+    def __init__(self, owner: "ZeroOneOptimizer"):
+        self.owner = owner
+
+    def serialize(self):
+        arrays = self.owner.gathered_state()
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        return buffer.getvalue()
+
+    def deserialize(self, string_value):
+        with np.load(io.BytesIO(string_value)) as archive:
+            self.owner.scatter_state({key: archive[key] for key in archive.files})
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class ZeroOneOptimizer(keras.optimizers.Optimizer):
+    """ZeRO stage 1: each replica holds and updates the optimizer state of its share of the variables.
+
+    Args:
+        inner: the optimizer whose update rule is applied (AdamW, Adam, SGD or `tfmp.optimizers.LARS`); it owns the
+            learning rate (and its schedule) and the step count.
+    """
+
+    def __init__(self, inner: keras.optimizers.Optimizer, name: str = "zero1", **kwargs):
+        super().__init__(learning_rate=0.0, name=name, **kwargs)
+        for option in ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
+            if getattr(inner, option, None):
+                raise ValueError(f"optimizer_sharding=zero1 does not support {option}")
+        if getattr(inner, "use_ema", False):
+            raise ValueError("optimizer_sharding=zero1 does not support use_ema")
+        self.slot_names = _slot_names(inner)
+        self.inner = inner
+        self.sharded_state = ShardedState(self)
+        self.held = _Untracked()  # the per-replica buffers: saved through `sharded_state`, never as variables
+        self.held.strategy = tf.distribute.get_strategy()  # built under this strategy's scope, as Keras optimizers are
+        self.replicas = 1
+
+    # ------------------------------------------------------------------------------ layout
+
+    @property
+    def learning_rate(self):
+        return self.inner.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):  # Keras' constructor sets it; the inner optimizer's is the one used
+        del value
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self.variables_in_order = list(variables)
+        strategy = self.held.strategy  # the one it was made under: a callback may build it outside the scope
+        self.replicas = strategy.num_replicas_in_sync
+        if self.replicas == 1:
+            logger.info("optimizer_sharding=zero1: one replica, nothing to shard (the optimizer runs unchanged)")
+            with strategy.scope():
+                self.inner.build(variables)
+            self.built = True
+            return
+        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            raise ValueError("optimizer_sharding=zero1 is not supported across workers yet (single-machine strategies only)")
+        sizes = [int(np.prod(variable.shape)) for variable in variables]
+        self.shards = assign_shards(sizes, self.replicas)
+        self.offsets = {}
+        for shard in self.shards:
+            offset = 0
+            for index in shard:
+                self.offsets[index] = offset
+                offset += sizes[index]
+        self.shard_elements = max(1, max(sum(sizes[index] for index in shard) for shard in self.shards))
+        self.sizes = sizes
+        # Per-replica buffers: each replica's copy holds its own share's state (not a copy of the others').
+        with strategy.scope():
+            self.held.buffers = {name: tf.Variable(tf.zeros([self.shard_elements]), trainable=False, name=f"zero1_{name}",
+                                                   synchronization=tf.VariableSynchronization.ON_READ,
+                                                   aggregation=tf.VariableAggregation.NONE) for name in self.slot_names}
+        self.built = True
+
+    @property
+    def buffers(self) -> dict:
+        return self.held.buffers
+
+    def state_bytes_per_replica(self) -> list[int]:
+        """Bytes of optimizer state each replica holds, from where the variables are placed."""
+        if self.replicas == 1:
+            return [sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in self.inner.variables if len(v.shape))]
+        strategy = self.held.strategy
+        per_replica = [0] * self.replicas
+        for buffer in self.buffers.values():
+            for replica, component in enumerate(strategy.experimental_local_results(buffer)):
+                per_replica[replica] += int(np.prod(component.shape)) * component.dtype.size
+        return per_replica
+
+    # ------------------------------------------------------------------------------ the step
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is not None and not self.built:
+            self.build(list(trainable_variables))
+        if self.replicas == 1:
+            return self.inner.apply(grads, trainable_variables if trainable_variables is not None else self.variables_in_order)
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            raise ValueError("optimizer_sharding=zero1 applies gradients inside strategy.run (replica context)")
+        variables = self.variables_in_order
+        grads = [tf.zeros_like(variable.value) if gradient is None else tf.cast(gradient, variable.dtype)
+                 for gradient, variable in zip(grads, variables)]
+        grads = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        learning_rate = tf.cast(self.inner.learning_rate, tf.float32)
+        branches = [lambda shard=shard: self._update_share(shard, grads, learning_rate) for shard in self.shards]
+        share = tf.switch_case(context.replica_id_in_sync_group, branches)
+        gathered = context.all_gather(share[None], axis=0)  # [replicas, shard_elements]
+        new_values = []
+        for index, variable in enumerate(variables):
+            owner = next(replica for replica, shard in enumerate(self.shards) if index in shard)
+            start = self.offsets[index]
+            new_values.append(tf.reshape(gathered[owner, start:start + self.sizes[index]], variable.shape))
+        context.merge_call(_write_all, args=(variables, new_values))
+        self.inner.iterations.assign_add(1)
+        self.iterations.assign_add(1)
+
+    def _update_share(self, shard: list[int], grads, learning_rate):
+        """The update of one share: new weights (flat, padded) returned, new state written to this replica's buffers."""
+        states = {name: [] for name in self.slot_names}
+        weights = []
+        step = tf.cast(self.inner.iterations + 1, tf.float32)
+        for index in shard:
+            variable, gradient = self.variables_in_order[index], grads[index]
+            start, size = self.offsets[index], self.sizes[index]
+            slots = {name: tf.reshape(buffer[start:start + size], variable.shape) for name, buffer in self.buffers.items()}
+            weight, slots = update_rule(self.inner, variable, tf.convert_to_tensor(variable.value), gradient, slots, learning_rate, step)
+            weights.append(tf.reshape(weight, [-1]))
+            for name in self.slot_names:
+                states[name].append(tf.reshape(slots[name], [-1]))
+        used = sum(self.sizes[index] for index in shard)
+        padding = [tf.zeros([self.shard_elements - used])]
+        for name, buffer in self.buffers.items():
+            buffer.assign(tf.concat(states[name] + padding, axis=0))
+        return tf.concat(weights + padding, axis=0)
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def gathered_state(self) -> dict[str, np.ndarray]:
+        """Every variable's optimizer state, whole, by `{slot}:{index}` in the trainable variables' order (read on the
+        host; indices rather than paths, which carry auto-generated model names)."""
+        if not self.built:
+            return {}
+        if self.replicas == 1:  # the inner optimizer's own slots, so that more replicas can resume from them
+            return {f"{name}:{index}": keras_internals.optimizer_slot(self.inner, name, variable).numpy()
+                    for name in self.slot_names for index, variable in enumerate(self.variables_in_order)}
+        strategy = self.held.strategy
+        arrays = {}
+        for name, buffer in self.buffers.items():
+            components = [component.numpy() for component in strategy.experimental_local_results(buffer)]
+            for replica, shard in enumerate(self.shards):
+                for index in shard:
+                    start, variable = self.offsets[index], self.variables_in_order[index]
+                    arrays[f"{name}:{index}"] = components[replica][start:start + self.sizes[index]].reshape(variable.shape)
+        return arrays
+
+    def scatter_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Writes whole per-variable state (from `gathered_state`, any layout) into this layout's buffers."""
+        if not arrays:
+            return
+        if self.replicas == 1:
+            for name in self.slot_names:
+                for index, variable in enumerate(self.variables_in_order):
+                    keras_internals.optimizer_slot(self.inner, name, variable).assign(_whole(arrays, name, index, variable))
+            return
+        strategy = self.held.strategy
+        for name, buffer in self.buffers.items():
+            for replica, component in enumerate(strategy.experimental_local_results(buffer)):
+                content = np.zeros([self.shard_elements], np.float32)
+                for index in self.shards[replica]:
+                    variable, start = self.variables_in_order[index], self.offsets[index]
+                    content[start:start + self.sizes[index]] = _whole(arrays, name, index, variable).reshape(-1)
+                component.assign(content)
+
+    def get_config(self):
+        return {"name": self.name, "inner": keras.saving.serialize_keras_object(self.inner)}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        return cls(keras.saving.deserialize_keras_object(config.pop("inner")), **config)
+
+
+def _whole(arrays: dict, name: str, index: int, variable) -> np.ndarray:
+    """Slot `name` of the `index`-th trainable variable, checked against the variable's shape."""
+    value = arrays.get(f"{name}:{index}")
+    if value is None or tuple(value.shape) != tuple(variable.shape):
+        raise ValueError(f"the checkpoint's sharded optimizer state does not fit this model: {name} of variable {index} "
+                         f"({variable.path}, shape {tuple(variable.shape)}) is {None if value is None else value.shape}")
+    return value
+
+
+class _Untracked:
+    """A plain holder: TensorFlow's checkpoint tracking does not look inside it."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.strategy = None
+
+
+def _write_all(strategy, variables, values):
+    for variable, value in zip(variables, values):
+        strategy.extended.update(variable.value, lambda target, new: target.assign(new), args=(value,), group=False)
+
+
+def update_rule(optimizer, variable, weight, gradient, slots: dict, learning_rate, step):
+    """Keras' (or LARS') update of one variable as a function: (new weight, new slots). `step` counts from 1."""
+    if keras_internals.uses_weight_decay(optimizer, variable) and getattr(optimizer, "weight_decay", None) and not isinstance(
+            optimizer, LARS):
+        weight = weight - weight * tf.cast(optimizer.weight_decay, weight.dtype) * learning_rate
+    if isinstance(optimizer, keras.optimizers.Adam):
+        beta_1, beta_2 = tf.cast(optimizer.beta_1, tf.float32), tf.cast(optimizer.beta_2, tf.float32)
+        alpha = learning_rate * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+        momentum = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
+        velocity = slots["velocity"] + (tf.square(gradient) - slots["velocity"]) * (1 - beta_2)
+        weight = weight - (momentum * alpha) / (tf.sqrt(velocity) + optimizer.epsilon)
+        return weight, {"momentum": momentum, "velocity": velocity}
+    if isinstance(optimizer, LARS):
+        if optimizer.adapts(variable):
+            gradient = gradient + optimizer.lars_weight_decay * weight
+            weight_norm, gradient_norm = tf.norm(tf.reshape(weight, [-1])), tf.norm(tf.reshape(gradient, [-1]))
+            trust = tf.where(tf.logical_and(weight_norm > 0, gradient_norm > 0), optimizer.eta * weight_norm / gradient_norm,
+                             tf.ones_like(weight_norm))
+            gradient = gradient * trust
+        momentum = slots["momentum"] * optimizer.momentum + learning_rate * gradient
+        return weight - momentum, {"momentum": momentum}
+    # SGD
+    if not optimizer.momentum:
+        return weight - gradient * learning_rate, {}
+    coefficient = tf.cast(optimizer.momentum, tf.float32)
+    momentum = slots["momentum"] * coefficient - gradient * learning_rate
+    if optimizer.nesterov:
+        return weight + (momentum * coefficient - gradient * learning_rate), {"momentum": momentum}
+    return weight + momentum, {"momentum": momentum}
