@@ -49,6 +49,19 @@ def _metrics(workdir):
         return json.load(file)
 
 
+@pytest.mark.slow  # ~30 s
+def test_two_workers_train_with_zero1_like_without(tmp_path):
+    result = _launch("--num_workers=2", *DIGITS, "--optimizer_sharding=zero1", f"--workdir={tmp_path / 'zero1'}")
+    assert result.returncode == 0, result.stdout[-3000:]
+    sharded = _metrics(tmp_path / "zero1")
+    result = _launch("--num_workers=2", *DIGITS, f"--workdir={tmp_path / 'none'}")
+    assert result.returncode == 0, result.stdout[-3000:]
+    plain = _metrics(tmp_path / "none")
+    assert sharded["num_replicas"] == plain["num_replicas"] == 2 and sharded["steps"] == plain["steps"]
+    assert sharded["eval_accuracy"] >= 0.9 and abs(sharded["eval_accuracy"] - plain["eval_accuracy"]) <= 0.02
+    assert sharded["train_loss"] == pytest.approx(plain["train_loss"], rel=0.02)
+
+
 def test_two_workers_train_digits_like_one_process(tmp_path, run_cli):
     """Real gRPC collectives between two processes on 127.0.0.1 (needs tfmp/upstream.py's Keras fixes)."""
     two = tmp_path / "two_workers"
@@ -77,10 +90,13 @@ def _worker_pid(workdir, task_index):
     raise AssertionError(f"no worker {task_index} for {workdir}")
 
 
-@pytest.mark.slow  # 44 s; the two-worker run itself is in the default suite
-def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path):
+@pytest.mark.slow  # 44 s each; the two-worker run itself is in the default suite
+@pytest.mark.parametrize("optimizer_sharding", ["none", "zero1"])
+def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path, optimizer_sharding):
+    """With zero1 the relaunch scatters the state both workers all-gathered into the checkpoint (tfmp.sharding)."""
     workdir = str(tmp_path / "run")
-    command = [sys.executable, "-m", "tfmp.launch", "--num_workers=2", *DIGITS, "--checkpoint_every_steps=5", f"--workdir={workdir}"]
+    settings = [*DIGITS, "--checkpoint_every_steps=5", f"--optimizer_sharding={optimizer_sharding}"]
+    command = [sys.executable, "-m", "tfmp.launch", "--num_workers=2", *settings, f"--workdir={workdir}"]
     launcher = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
     reached = wait_for_checkpoint(launcher, workdir, at_least=10)
@@ -88,7 +104,8 @@ def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path):
     assert launcher.wait(timeout=120) != 0  # the launcher stops the chief instead of hanging
     assert not os.path.exists(os.path.join(workdir, "metrics.json"))
 
-    result = _launch("--num_workers=2", *DIGITS, "--checkpoint_every_steps=5", f"--workdir={workdir}")
+    result = _launch("--num_workers=2", *settings, f"--workdir={workdir}")
     assert result.returncode == 0, result.stdout[-3000:]
     assert _metrics(workdir)["resumed_from_step"] >= reached > 0
     assert checkpoint_steps(workdir)[-1] >= 6 * (1437 // 128)
+    assert _metrics(workdir)["eval_accuracy"] >= 0.9

@@ -231,13 +231,3 @@ def test_the_cli_trains_with_zero1_like_without(tmp_path):
     assert metrics["zero1"]["steps"] == metrics["none"]["steps"]
     assert metrics["zero1"]["train_loss"] == pytest.approx(metrics["none"]["train_loss"], rel=1e-3)
     assert metrics["zero1"]["eval_accuracy"] == pytest.approx(metrics["none"]["eval_accuracy"], abs=0.01)
-
-
-def test_zero1_across_workers_is_refused_in_one_line(capsys, tmp_path):
-    from tfmp import train
-
-    assert train.main(["tfmp.train", f"--workdir={tmp_path / 'run'}", "--strategy=multi_worker_mirrored",
-                       "--optimizer_sharding=zero1"]) == 2
-    error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and "--optimizer_sharding=zero1 is not supported across workers yet" in error
-    assert not (tmp_path / "run").exists()

@@ -243,7 +243,7 @@ class Config:
                         one_of(*REMAT_MODES))
     optimizer_sharding: str = _field("none", f"Optimizer-state sharding across replicas: {', '.join(OPTIMIZER_SHARDINGS)} "
                                              "(zero1: each replica keeps and updates the optimizer state of its share of the "
-                                             "weights; weights and gradients stay whole; single-machine strategies).",
+                                             "weights; weights and gradients stay whole).",
                                      one_of(*OPTIMIZER_SHARDINGS))
     drop_path_rate: float = _field(0.0, "ViT encoders: stochastic depth of the last block (DeiT's drop path), rising "
                                         "linearly from 0 at the first.", momentum)
@@ -368,9 +368,6 @@ def _check_plugin_settings(config: Config, registry: tfmp_registry.Registry, cho
 
 
 def _check_workers(config: Config) -> None:
-    if config.optimizer_sharding == "zero1" and (config.worker_hosts or config.strategy == "multi_worker_mirrored"):
-        raise UsageError("--optimizer_sharding=zero1 is not supported across workers yet (its checkpoint gathers the state "
-                         "through one machine's replicas); use --strategy=mirrored or --optimizer_sharding=none")
     if config.worker_hosts:
         hosts = config.worker_hosts.split(",")
         if config.strategy != "multi_worker_mirrored":

@@ -15,12 +15,11 @@ The state lives in per-replica (`ON_READ`) flat buffers as long as the largest s
 Keras' own update rule for that optimizer, written as a function of (weight, gradient, state): tests hold it equal to
 the unsharded optimizer within float32 rounding. On one replica the wrapper applies the inner optimizer unchanged.
 
-Checkpoints hold the state layout-free: per variable, whole, gathered on the host when a checkpoint is written
-(`tf.train.experimental.PythonState`), so a run resumes on another number of replicas.
+Checkpoints hold the state layout-free: per variable, whole, all-gathered from every replica (every worker) when a
+checkpoint is written (`tf.train.experimental.PythonState`), so a run resumes on another number of replicas.
 
 Not sharded: weights and gradients stay whole on every replica (ZeRO stages 2 and 3, FSDP). Limits (refused with
-one line where they apply): MultiWorkerMirroredStrategy (the checkpoint gathers through the local replicas only),
-gradient clipping, EMA, gradient accumulation, and optimizers other than the three above.
+one line where they apply): gradient clipping, EMA, gradient accumulation, and optimizers other than the three above.
 """
 
 from __future__ import annotations
@@ -122,8 +121,6 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
                 self.inner.build(variables)
             self.built = True
             return
-        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            raise ValueError("optimizer_sharding=zero1 is not supported across workers yet (single-machine strategies only)")
         sizes = [int(np.prod(variable.shape)) for variable in variables]
         self.shards = assign_shards(sizes, self.replicas)
         self.offsets = {}
@@ -213,13 +210,20 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             return {f"{name}:{index}": keras_internals.optimizer_slot(self.inner, name, variable).numpy()
                     for name in self.slot_names for index, variable in enumerate(self.variables_in_order)}
         strategy = self.held.strategy
+        names = list(self.buffers)
+
+        def gather():  # every replica's buffers, on every replica (across workers too): one collective per slot
+            context = tf.distribute.get_replica_context()
+            return [context.all_gather(tf.convert_to_tensor(self.buffers[name])[None], axis=0) for name in names]
+
+        gathered = strategy.run(tf.function(gather))
         arrays = {}
-        for name, buffer in self.buffers.items():
-            components = [component.numpy() for component in strategy.experimental_local_results(buffer)]
+        for name, per_replica in zip(names, gathered):
+            shares = strategy.experimental_local_results(per_replica)[0].numpy()  # [replicas, shard_elements]
             for replica, shard in enumerate(self.shards):
                 for index in shard:
                     start, variable = self.offsets[index], self.variables_in_order[index]
-                    arrays[f"{name}:{index}"] = components[replica][start:start + self.sizes[index]].reshape(variable.shape)
+                    arrays[f"{name}:{index}"] = shares[replica, start:start + self.sizes[index]].reshape(variable.shape)
         return arrays
 
     def scatter_state(self, arrays: dict[str, np.ndarray]) -> None:
@@ -232,8 +236,12 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
                     keras_internals.optimizer_slot(self.inner, name, variable).assign(_whole(arrays, name, index, variable))
             return
         strategy = self.held.strategy
+        # The global replica id of each of this machine's replicas (under several workers they are not 0..n-1).
+        replica_ids = strategy.experimental_local_results(strategy.run(
+            tf.function(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group)))
         for name, buffer in self.buffers.items():
-            for replica, component in enumerate(strategy.experimental_local_results(buffer)):
+            for replica_id, component in zip(replica_ids, strategy.experimental_local_results(buffer)):
+                replica = int(replica_id.numpy())
                 content = np.zeros([self.shard_elements], np.float32)
                 for index in self.shards[replica]:
                     variable, start = self.variables_in_order[index], self.offsets[index]
