@@ -90,6 +90,20 @@ def test_two_replicas_resume_with_the_same_steps_and_close_results():
         assert accuracy is None or abs(accuracy[0] - accuracy[1]) <= 0.05, stop
 
 
+@pytest.mark.slow  # ~40 s
+def test_a_zero1_run_on_two_replicas_killed_and_rerun_ends_like_the_run_never_stopped():
+    """kill -9 after step 13 (checkpoints every 4 steps): the rerun restores the sharded optimizer state from the
+    checkpoint and ends with the same steps; results within the 2-replica tolerance above (measured: eval 0.869 vs
+    0.878, the same BatchNorm drift as without zero1)."""
+    report = _measure({"task": "supervised", "epochs": 3, "strategy": "mirrored", "num_cpu_devices": 2, "precision": "float32",
+                       "optimizer_sharding": "zero1", "checkpoint_every_steps": 4}, [13], "--signal=KILL")
+    [stop] = report["stops"]
+    assert stop["stopped"] == "killed (SIGKILL) after step 13" and stop["resumed_from_step"] == 12, stop
+    assert stop["steps"] == report["steps"] == 33
+    accuracy = stop["metric_differences"].get("eval_accuracy")
+    assert accuracy is None or abs(accuracy[0] - accuracy[1]) <= 0.05, stop
+
+
 @pytest.mark.parametrize("saved, plan", [
     ((0, 0), [(10, 11, 0)]),                      # a new run: one fit() from the start
     ((3, 33), [(10, 11, 33)]),                    # stopped at an epoch's end: the next epoch
