@@ -1,0 +1,54 @@
+"""The memory plan's components, predicted against measured, per replica (one device, float32, AdamW):
+
+    python experiments/benchmarks/memory_plan_check.py
+
+weights, gradients and optimizer state measured from the variables placed on the device (the model's, the
+gradients a step returns, AdamW's slots once built); activations measured as the allocator's peak during one
+forward + backward step above what was allocated before it, less the gradients. For ResNet-18 (CIFAR) and the
+largest encoder tfmp has (ViT-B/16 at 224x224), each at two batch sizes.
+"""
+
+from tfmp import tf_environment
+
+tf_environment.prepare()  # oneDNN on: TensorFlow's CPU allocator counts only then
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfmp import models  # noqa: E402
+from tfmp.diagnostics import memory  # noqa: E402
+
+CASES = (("resnet18_cifar", (32, 32, 3), (32, 64)), ("vit_base_p16", (224, 224, 3), (2, 4)))
+MIB = 2 ** 20
+
+
+def nbytes(variables) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    print("| model | batch | component | predicted MiB | measured MiB | measured / predicted |")
+    print("|---|---|---|---|---|---|")
+    for name, shape, batches in CASES:
+        for batch in batches:
+            keras.utils.set_random_seed(0)
+            model = models.build_classifier(models.build_encoder(name, shape), 10)
+            optimizer = keras.optimizers.AdamW(1e-3)
+            optimizer.build(model.trainable_variables)
+            estimate = memory.estimate_memory(model, shape, batch, "adamw")
+            images, labels = rng.random((batch, *shape), dtype=np.float32), rng.integers(0, 10, batch)
+            peak = memory.measure_step_peak(model, images, labels)
+            gradients = nbytes(model.trainable_variables)  # one float32 gradient per trainable value, as returned
+            measured = {"weights": nbytes(model.weights), "gradients": gradients,
+                        "optimizer": nbytes([v for v in optimizer.variables if len(v.shape)]),
+                        "activations": peak - gradients}
+            predicted = {"weights": estimate.params_bytes, "gradients": estimate.gradients_bytes,
+                         "optimizer": estimate.optimizer_bytes, "activations": estimate.activations_bytes}
+            for component in predicted:
+                print(f"| {name} | {batch} | {component} | {predicted[component] / MIB:.1f} | {measured[component] / MIB:.1f} | "
+                      f"{measured[component] / predicted[component]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
