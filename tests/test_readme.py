@@ -101,6 +101,7 @@ def test_the_colab_cells_run_as_a_notebook_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     monkeypatch.setenv("PATH", f"{environment / 'bin'}{os.pathsep}{os.environ['PATH']}")  # the cells' `pip`, `python`
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # a checkout on the path would shadow what the cells install
 
     sources = [cell.replace("<this repository>", REPO).replace("/content", str(content)) for cell in cells[:-1]]
     sources.append("print('tfmp from', tfmp.__file__, 'accuracy', history.history['accuracy'][-1])")
