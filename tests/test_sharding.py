@@ -217,6 +217,7 @@ def test_a_rerun_through_default_callbacks_restores_the_sharded_state(tmp_path):
     assert int(rerun.optimizer.iterations.numpy()) == int(first.optimizer.iterations.numpy()) == 4
 
 
+@pytest.mark.slow  # ~15 s; the default suite trains zero1 through fit() in-process
 def test_the_cli_trains_with_zero1_like_without(tmp_path):
     import json
 
