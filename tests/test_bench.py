@@ -16,6 +16,7 @@ from tfmp import bench, models
 from tfmp.diagnostics import flops
 
 
+@pytest.mark.slow  # ~14 s; the bench also runs (with XLA) in tests/test_xla.py
 def test_bench_prints_one_json_line_per_precision():
     """Also: with TF_ENABLE_ONEDNN_OPTS unset, the bench (like tfmp.train) turns oneDNN on, so
     TF counts tensor bytes even on CPUs where its default is off."""

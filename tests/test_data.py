@@ -216,6 +216,7 @@ def test_a_folder_of_mixed_sizes_and_gray_and_rgb_is_read_as_they_are_with_the_s
     assert len(gray) == 3 and np.allclose(gray[..., 0], gray[..., 2])  # gray replicated into RGB, not dropped
 
 
+@pytest.mark.slow  # ~14 s: two CLI runs
 def test_a_huge_photo_first_among_small_images_trains_at_the_small_size_in_bounded_memory(tmp_path):
     """A 3000x2000 photo first used to decide the size of every image (and ended in SIGSEGV). Its memory is compared
     with the same run without the photo: the old behaviour (every image at the photo's size) adds ~3 GB of float32."""

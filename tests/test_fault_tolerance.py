@@ -96,6 +96,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(run_cli, t
     assert metrics["eval_accuracy"] >= 0.95
 
 
+@pytest.mark.slow  # ~15 s; damaged checkpoints are also skipped in tests/test_checkpoint_corruption.py
 def test_garbage_over_the_newest_files_and_the_state_file_falls_back(run_cli, tmp_path):
     """The issue's case: killed after its newest checkpoint, then garbage bytes written over the
     newest index, data file and the `checkpoint` state file."""

@@ -28,7 +28,7 @@ def test_resize_crops_matches_tensorflows_crop_and_resize():
     np.testing.assert_allclose(augment.resize_crops(images, boxes), expected, atol=2e-5)
 
 
-@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("channels", [pytest.param(1, marks=pytest.mark.slow), 3])  # 10-35 s each
 def test_augmentations_compile_and_draw_the_same_views_with_and_without_xla(channels):
     images = tf.random.stateless_uniform((8, 32, 32, channels), seed=[1, 2])
     config = augment.AugmentConfig(noise_stddev=0.1)  # every op on: crop, flip, jitter, gray, blur, noise
