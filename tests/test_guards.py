@@ -100,10 +100,10 @@ def test_without_a_floor_the_scale_recovers_and_training_proceeds(tmp_path):
     assert 0 < skipped < 20 and 2.0**15 / precision.current_loss_scale(model.optimizer) == 2.0**skipped  # each skip halved
 
 
-def _mirrored_model(synchronized=True):
+def _mirrored_model(synchronized=True, fused=True):
     strategy = distribute.get_strategy("mirrored")
     with strategy.scope():
-        norm = models.NormSettings(synchronized=synchronized)
+        norm = models.NormSettings(synchronized=synchronized, fused=fused)
         model = models.build_classifier(models.build_encoder("small_cnn", (8, 8, 1), norm), 10)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return strategy, model
@@ -137,9 +137,10 @@ def test_training_on_two_replicas_with_synchronized_batchnorm_stays_consistent()
 
 def test_plain_batchnorm_lets_moving_statistics_drift_apart_and_the_check_says_so():
     """Keras 3 keeps a non-synchronized BatchNorm's moving statistics per replica (mirrored,
-    aggregation NONE): each replica averages its own half-batches. tfmp therefore uses
-    synchronized BatchNorm on more than one replica; the check catches it elsewhere."""
-    _, model = _mirrored_model(synchronized=False)
+    aggregation NONE): each replica averages its own half-batches. tfmp's fused layer averages them over
+    the replicas (tests/test_batch_norm.py); Keras' own code path (fused=False) still drifts, and the check
+    catches it."""
+    _, model = _mirrored_model(synchronized=False, fused=False)
     _train_one_epoch(model)
     differing = distribute.check_replica_consistency(model)
     assert differing and all("moving_mean" in name or "moving_variance" in name for name in differing)
