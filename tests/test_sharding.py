@@ -1,14 +1,20 @@
 """ZeRO stage 1 (`tfmp.sharding.ZeroOneOptimizer`) on 2 CPU replicas: the same weights as the unsharded optimizer,
 half the optimizer state on each replica, and a checkpoint that resumes on another number of replicas."""
 
+import os
+import runpy
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import REPO
 from tfmp import distribute, keras_internals, models, optimizers, sharding
 
 STEPS = 20
+SCRIPT = os.path.join(REPO, "tests", "scripts", "zero1_layouts.py")
+LAYOUTS = runpy.run_path(SCRIPT)  # its custom strategy.run training loop (the script's main is not run)
 
 
 def _optimizer(kind):
@@ -35,22 +41,7 @@ def _model(strategy, kind, zero1):
 
 
 def _train(model, strategy, images, labels, steps=STEPS):
-    per_replica = images.shape[0] // strategy.num_replicas_in_sync
-
-    def replica_step(step):
-        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-        rows = (tf.range(per_replica) + replica * per_replica + step * 7) % images.shape[0]
-        with tf.GradientTape() as tape:
-            logits = model(tf.gather(images, rows), training=True)
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(tf.gather(labels, rows), logits, from_logits=True))
-            scaled = loss / strategy.num_replicas_in_sync
-        gradients = tape.gradient(scaled, model.trainable_variables)
-        model.optimizer.apply(gradients, model.trainable_variables)
-        return loss
-
-    step_function = tf.function(lambda step: strategy.run(replica_step, args=(step,)))
-    for step in range(steps):
-        step_function(tf.constant(step))
+    LAYOUTS["train"](model, strategy, images, labels, steps)
 
 
 def _data():
@@ -98,6 +89,7 @@ def test_the_checkpointed_state_is_whole_and_resumes_on_one_replica(tmp_path):
     _train(sharded, strategy, images, labels, steps=5)
     path = tf.train.Checkpoint(model=sharded, optimizer=sharded.optimizer).write(str(tmp_path / "ckpt"))
     state = sharded.optimizer.gathered_state()
+    assert all(np.any(value) for value in state.values())  # a restore is told apart from a fresh start
     assert set(state) == {f"{slot}:{index}" for slot in ("momentum", "velocity") for index in range(len(sharded.trainable_variables))}
 
     # The same checkpoint on one device: its whole state lands in the unsharded optimizer's slots.
@@ -232,3 +224,39 @@ def test_the_cli_trains_with_zero1_like_without(tmp_path):
     assert metrics["zero1"]["steps"] == metrics["none"]["steps"]
     assert metrics["zero1"]["train_loss"] == pytest.approx(metrics["none"]["train_loss"], rel=1e-3)
     assert metrics["zero1"]["eval_accuracy"] == pytest.approx(metrics["none"]["eval_accuracy"], abs=0.01)
+
+
+@pytest.mark.slow  # ~30 s: three processes
+def test_a_checkpoint_of_two_replicas_on_one_machine_resumes_on_two_workers(tmp_path):
+    import subprocess
+    import sys
+
+    script = SCRIPT
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    saved = subprocess.run([sys.executable, script, "save", str(tmp_path)], cwd=REPO, env=environment, capture_output=True,
+                           text=True, timeout=300)
+    assert saved.returncode == 0 and "zero1 state saved from 2 replicas" in saved.stdout, saved.stderr[-2000:]
+    restored = subprocess.run([sys.executable, "-m", "tfmp.launch", "--num_workers=2", script, "restore", str(tmp_path)], cwd=REPO,
+                              env=environment, capture_output=True, text=True, timeout=300)
+    assert restored.returncode == 0, restored.stdout[-2000:] + restored.stderr[-2000:]
+    for worker in (0, 1):
+        assert f"[worker {worker}] zero1 state restored on 2 replicas: 8 arrays equal" in restored.stdout, restored.stdout[-2000:]
+
+
+def test_variables_without_a_gradient_are_left_as_they_are_and_no_gradient_at_all_is_refused():
+    strategy = distribute.get_strategy("mirrored")
+    model = _model(strategy, "adamw", zero1=True)
+    before = [w.numpy() for w in model.trainable_variables]
+
+    def replica_step(all_missing):
+        gradients = [None if all_missing or index == 0 else tf.ones_like(w.value) for index, w in enumerate(model.trainable_variables)]
+        model.optimizer.apply(gradients, model.trainable_variables)
+
+    tf.function(lambda: strategy.run(replica_step, args=(False,)))()
+    np.testing.assert_array_equal(model.trainable_variables[0].numpy(), before[0])  # no gradient: no decay, no step
+    state = model.optimizer.gathered_state()
+    assert not np.any(state["momentum:0"]) and not np.any(state["velocity:0"])  # its state unchanged
+    # The others took the step (the schedule's first learning rate is 0, so only their state shows it).
+    assert all(np.all(state[f"velocity:{index}"] > 0) for index in range(1, len(before)))
+    with pytest.raises(ValueError, match="No gradients provided for any variable"):
+        tf.function(lambda: strategy.run(replica_step, args=(True,)))()

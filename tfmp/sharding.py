@@ -164,9 +164,15 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         if context is None:
             raise ValueError("optimizer_sharding=zero1 applies gradients inside strategy.run (replica context)")
         variables = self.variables_in_order
-        grads = [tf.zeros_like(variable.value) if gradient is None else tf.cast(gradient, variable.dtype)
-                 for gradient, variable in zip(grads, variables)]
-        grads = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        grads = list(grads)
+        present = [index for index, gradient in enumerate(grads) if gradient is not None]
+        if not present:  # as Keras' own optimizers refuse it
+            raise ValueError(f"No gradients provided for any variable ({len(variables)} variables)")
+        # A variable without a gradient is left as it is (no decay, its state unchanged), as Keras does.
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [tf.cast(grads[index], variables[index].dtype) for index in present])
+        grads = [None] * len(variables)
+        for index, gradient in zip(present, reduced):
+            grads[index] = gradient
         learning_rate = tf.cast(self.inner.learning_rate, tf.float32)
         branches = [lambda shard=shard: self._update_share(shard, grads, learning_rate) for shard in self.shards]
         share = tf.switch_case(context.replica_id_in_sync_group, branches)
@@ -189,7 +195,9 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             variable, gradient = self.variables_in_order[index], grads[index]
             start, size = self.offsets[index], self.sizes[index]
             slots = {name: tf.reshape(buffer[start:start + size], variable.shape) for name, buffer in self.buffers.items()}
-            weight, slots = update_rule(self.inner, variable, tf.convert_to_tensor(variable.value), gradient, slots, learning_rate, step)
+            weight = tf.convert_to_tensor(variable.value)
+            if gradient is not None:
+                weight, slots = update_rule(self.inner, variable, weight, gradient, slots, learning_rate, step)
             weights.append(tf.reshape(weight, [-1]))
             for name in self.slot_names:
                 states[name].append(tf.reshape(slots[name], [-1]))
