@@ -123,11 +123,11 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             return
         sizes = [int(np.prod(variable.shape)) for variable in variables]
         self.shards = assign_shards(sizes, self.replicas)
-        self.offsets = {}
-        for shard in self.shards:
+        self.offsets, self.owners = {}, {}
+        for replica, shard in enumerate(self.shards):
             offset = 0
             for index in shard:
-                self.offsets[index] = offset
+                self.offsets[index], self.owners[index] = offset, replica
                 offset += sizes[index]
         self.shard_elements = max(1, max(sum(sizes[index] for index in shard) for shard in self.shards))
         self.sizes = sizes
@@ -179,9 +179,8 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         gathered = context.all_gather(share[None], axis=0)  # [replicas, shard_elements]
         new_values = []
         for index, variable in enumerate(variables):
-            owner = next(replica for replica, shard in enumerate(self.shards) if index in shard)
             start = self.offsets[index]
-            new_values.append(tf.reshape(gathered[owner, start:start + self.sizes[index]], variable.shape))
+            new_values.append(tf.reshape(gathered[self.owners[index], start:start + self.sizes[index]], variable.shape))
         context.merge_call(_write_all, args=(variables, new_values))
         self.inner.iterations.assign_add(1)
         self.iterations.assign_add(1)
