@@ -108,3 +108,26 @@ def test_multi_worker_fixes_leave_other_strategies_to_keras():
     values = strategy.run(lambda: 2.0 * tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32))
     assert float(keras_tf_trainer.reduce_per_replica(values, strategy, "auto")) == 3.0  # mean of 2 and 4
     assert float(keras_tf_trainer.reduce_per_replica(values, strategy, "sum")) == 6.0
+
+
+def test_each_mirrored_strategy_gets_collective_keys_of_its_own():
+    """TensorFlow keeps each collective (group, instance) key's type for the process' life, and every new strategy
+    would start again at the same keys: a second strategy whose first collective is a gather where the first
+    strategy's was an all-reduce failed ("Collective instance 100 expected type 0 ... but got type 2")."""
+    from tfmp import keras_internals
+
+    results = []
+    for first in ("all_reduce", "all_gather"):
+        strategy = distribute.get_strategy("mirrored")
+        launchers = keras_internals.collective_launchers(strategy)[0]
+
+        def replica_fn(first=first, launchers=launchers):
+            replica = int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
+            value = tf.fill([2], float(replica + 1))
+            if first == "all_reduce":
+                return launchers[replica].all_reduce(value)
+            return keras_internals.nccl_all_gather(launchers[replica], value)  # "nccl" is a hint: CPU devices run a ring
+
+        per_replica = tf.function(lambda replica_fn=replica_fn, strategy=strategy: strategy.run(replica_fn))()
+        results.append(strategy.experimental_local_results(per_replica)[0].numpy().tolist())
+    assert results == [[3.0, 3.0], [1.0, 1.0, 2.0, 2.0]]

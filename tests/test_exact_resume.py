@@ -104,6 +104,28 @@ def test_a_zero1_run_on_two_replicas_killed_and_rerun_ends_like_the_run_never_st
     assert accuracy is None or abs(accuracy[0] - accuracy[1]) <= 0.05, stop
 
 
+@pytest.mark.slow  # ~40 s
+def test_a_zero1_cli_run_killed_on_two_replicas_resumes_on_one_device(tmp_path, run_cli):
+    """The device count may change on resume: a zero1 run on 2 replicas killed after step 13 is finished by the CLI
+    on one device, from the sharded checkpoint of step 12 (its optimizer state laid out anew), with a warning."""
+    from tfmp.config import Config
+
+    overrides = {"task": "supervised", "epochs": 3, "precision": "float32", "optimizer_sharding": "zero1",
+                 "checkpoint_every_steps": 4, "steps_per_execution": 1}
+    config = Config(**overrides, strategy="mirrored", num_cpu_devices=2)
+    workdir = tmp_path / "run"
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    killed = subprocess.run([sys.executable, SCRIPT, "--child", json.dumps(config.to_dict()), str(workdir), "13"], cwd=REPO,
+                            env=environment, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = run_cli(f"--workdir={workdir}", "--strategy=off", *(f"--{key}={value}" for key, value in overrides.items()))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming on 1 replica(s) from a checkpoint written on 2" in resumed.stderr, resumed.stderr[-3000:]
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    assert metrics["num_replicas"] == 1 and metrics["resumed_from_step"] == 12 and metrics["steps"] == 33, metrics
+    assert metrics["eval_accuracy"] >= 0.8, metrics  # the 2-replica run never stopped: 0.878 (test above)
+
+
 @pytest.mark.parametrize("saved, plan", [
     ((0, 0), [(10, 11, 0)]),                      # a new run: one fit() from the start
     ((3, 33), [(10, 11, 33)]),                    # stopped at an epoch's end: the next epoch

@@ -94,7 +94,7 @@ def test_the_checkpointed_state_is_whole_and_resumes_on_one_replica(tmp_path):
 
     # The same checkpoint on one device: its whole state lands in the unsharded optimizer's slots.
     single = _model(tf.distribute.get_strategy(), "adamw", zero1=True)
-    tf.train.Checkpoint(model=single, optimizer=single.optimizer).read(path).expect_partial()
+    tf.train.Checkpoint(model=single, optimizer=single.optimizer).read(path).assert_existing_objects_matched()
     for key, value in state.items():
         slot, index = key.split(":")
         variable = single.trainable_variables[int(index)]
@@ -106,8 +106,34 @@ def test_the_checkpointed_state_is_whole_and_resumes_on_one_replica(tmp_path):
     # Both continue 5 steps: the same weights within float32 rounding.
     _train(single, tf.distribute.get_strategy(), images, labels, steps=5)
     _train(sharded, strategy, images, labels, steps=5)
+    for optimizer in (single.optimizer, single.optimizer.inner, sharded.optimizer, sharded.optimizer.inner):
+        assert int(optimizer.iterations.numpy()) == 10
     for a, b in zip(single.weights, sharded.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
+
+
+def test_a_one_device_checkpoint_restores_into_two_replicas_even_before_the_optimizer_is_built(tmp_path):
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    single = _model(tf.distribute.get_strategy(), "sgd", zero1=True)
+    _train(single, tf.distribute.get_strategy(), images, labels, steps=5)
+    path = tf.train.Checkpoint(model=single, optimizer=single.optimizer).write(str(tmp_path / "ckpt"))
+    state = single.optimizer.gathered_state()
+    assert state and all(np.any(value) for value in state.values())
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():  # as a user restores first and builds later: the state waits for the build
+        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu", name="conv"),
+                                  keras.layers.Flatten(), keras.layers.Dense(16, activation="relu", name="hidden"),
+                                  keras.layers.Dense(10, name="logits")])
+        model.optimizer = sharding.ZeroOneOptimizer(_optimizer("sgd"))
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(path)
+    model.optimizer.build(model.trainable_variables)
+    restored = model.optimizer.gathered_state()
+    assert restored.keys() == state.keys()
+    for key in state:
+        np.testing.assert_array_equal(restored[key], state[key], err_msg=key)
+    assert int(model.optimizer.iterations.numpy()) == int(model.optimizer.inner.iterations.numpy()) == 5
 
 
 def test_zero1_under_bf16_matches_the_unsharded_optimizer():
@@ -260,3 +286,74 @@ def test_variables_without_a_gradient_are_left_as_they_are_and_no_gradient_at_al
     assert all(np.all(state[f"velocity:{index}"] > 0) for index in range(1, len(before)))
     with pytest.raises(ValueError, match="No gradients provided for any variable"):
         tf.function(lambda: strategy.run(replica_step, args=(True,)))()
+
+
+# ------------------------------------------------------------------ how each replica receives its share's gradients
+
+
+class _RanksReversed(sharding.NcclReduceScatter):
+    """The GPU path on CPU devices, all but the NCCL op: the ranks come from the strategy's own collective group
+    (`rank_order`, run here), and a reduce-scatter is stood in for by an all-reduce keeping the chunk at the replica's
+    rank. `reversed_ranks` deals the chunks as if the group had ranked the replicas in reverse order — as TensorFlow
+    may rank GPUs by their interconnect."""
+
+    def __init__(self, launchers, reversed_ranks=True, honour_order=True):
+        super().__init__(launchers)
+        self.reversed_ranks, self.honour_order = reversed_ranks, honour_order
+
+    def rank_order(self, context):
+        order = super().rank_order(context)
+        if not self.honour_order:  # a packing that ignored the ranks would see replica order
+            return None
+        return tf.reverse(order, [0]) if self.reversed_ranks else order
+
+    def own_chunk(self, context, packed, replicas):
+        order = tf.reverse(super().rank_order(context), [0]) if self.reversed_ranks else super().rank_order(context)
+        rank = tf.argmax(tf.cast(tf.equal(order, context.replica_id_in_sync_group), tf.int32))
+        return tf.reshape(context.all_reduce(tf.distribute.ReduceOp.SUM, packed), [replicas, -1])[rank]
+
+
+def test_chunks_are_dealt_by_rank_not_by_replica_id():
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    launchers = keras_internals.collective_launchers(strategy)[0]
+    plain = _model(strategy, "adamw", zero1=False)
+    _train(plain, strategy, images, labels)
+    results = {}
+    for case, reduction in {"ranks as replicas": _RanksReversed(launchers, reversed_ranks=False),
+                            "ranks reversed": _RanksReversed(launchers),
+                            "ranks reversed, order ignored": _RanksReversed(launchers, honour_order=False)}.items():
+        sharded = _model(strategy, "adamw", zero1=True)
+        sharded.optimizer.held.reduction = reduction
+        _train(sharded, strategy, images, labels)
+        results[case] = max(float(np.abs(a.numpy() - b.numpy()).max()) for a, b in zip(plain.weights, sharded.weights))
+    assert results["ranks as replicas"] < 1e-5 and results["ranks reversed"] < 1e-5, results
+    assert results["ranks reversed, order ignored"] > 1e-3, results  # the test sees a misdealt chunk
+
+
+def test_the_gradient_reduction_is_an_all_reduce_off_gpus_and_a_reduce_scatter_is_refused_there():
+    strategy = distribute.get_strategy("mirrored")
+    with strategy.scope():
+        assert sharding.ZeroOneOptimizer(keras.optimizers.SGD()).held.reduction.name == "all_reduce"
+        with pytest.raises(ValueError, match="needs every replica on a physical GPU with NCCL"):
+            sharding.ZeroOneOptimizer(keras.optimizers.SGD(), gradient_reduction="reduce_scatter")
+        with pytest.raises(ValueError, match="gradient_reduction must be one of auto, all_reduce, reduce_scatter"):
+            sharding.ZeroOneOptimizer(keras.optimizers.SGD(), gradient_reduction="scatter")
+        restored = sharding.ZeroOneOptimizer.from_config(sharding.ZeroOneOptimizer(keras.optimizers.SGD(), "all_reduce").get_config())
+        assert restored.gradient_reduction == "all_reduce"
+
+
+@pytest.mark.requires_gpu
+def test_on_two_gpus_zero1_reduce_scatters_and_ends_where_the_unsharded_optimizer_does():
+    """NCCL reduce-scatter (TensorFlow has it on GPUs only). Not run where tfmp is built: no GPU there."""
+    gpus = tf.config.list_logical_devices("GPU")
+    if len(gpus) < 2:
+        pytest.skip("needs 2 GPUs")
+    strategy = tf.distribute.MirroredStrategy([gpu.name for gpu in gpus[:2]])
+    images, labels = _data()
+    plain, sharded = _model(strategy, "adamw", zero1=False), _model(strategy, "adamw", zero1=True)
+    assert sharded.optimizer.held.reduction.name == "reduce_scatter"
+    _train(plain, strategy, images, labels)
+    _train(sharded, strategy, images, labels)
+    for a, b in zip(plain.weights, sharded.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)

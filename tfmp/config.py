@@ -68,10 +68,12 @@ MAX_IMAGE_SIZE = 1024  # --image_size above this: a decoded data set of many GB,
 MIN_LOGICAL_DEVICES_ALLOWED = 4
 CONV_WEIGHT_GRADIENTS = ("auto", "tf", "tap_matmul")
 # Fields that say where things are or how a run is looked after, not what is trained:
-# they may change between a run and its resumption without making the two incompatible.
-CHANGEABLE_ON_RESUME = ("verbose", "data_dir", "tpu", "dry_run", "device_memory", "ignore_memory_estimate", "jit_compile",
-                        "conv_weight_gradient", "steps_per_execution", "worker_hosts", "task_index", "checkpoint_every_steps",
-                        "checkpoint_every_seconds", "keep_checkpoints",
+# they may change between a run and its resumption without making the two incompatible. The devices are among
+# them: --global_batch_size is global, so a run resumes on another number of replicas with the same batches in the
+# same order (the checkpoint's optimizer state, ZeRO-1's included, is laid out anew; a warning says so).
+CHANGEABLE_ON_RESUME = ("verbose", "data_dir", "strategy", "num_cpu_devices", "tpu", "worker_hosts", "task_index", "dry_run",
+                        "device_memory", "ignore_memory_estimate", "jit_compile", "conv_weight_gradient", "steps_per_execution",
+                        "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints",
                         "nan_retries", "max_skipped_steps", "loss_explosion_factor", "replica_check_every_steps")
 
 

@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import hardware
+from tfmp import hardware, keras_internals
 from tfmp.config import STRATEGIES
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,7 @@ def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu:
     if name == "one_device":
         return tf.distribute.OneDeviceStrategy((gpus or cpus)[0].name)
     if name == "mirrored":
+        keras_internals.fresh_collective_keys()
         if gpus:
             return tf.distribute.MirroredStrategy([device.name for device in gpus])
         # NCCL is GPU-only; on logical CPUs reduce through one device.

@@ -23,6 +23,15 @@ hook — who uses it — why there is no public way:
   cross-replica path an optimizer step takes.
 * `tf.__internal__.distribute.interim.maybe_merge_call` — `tfmp/ssl/momentum.py` (EMA target
   update) — the cross-replica update path Keras' optimizers take, with and without merge calls.
+* `MirroredStrategy._collective_key_base` — `tfmp.distribute.get_strategy` — each MirroredStrategy tfmp makes
+  gets collective keys no earlier one in the process used (as TensorFlow's own tests do): TF keeps each
+  (group, instance) key's collective type for the process' life and every new strategy starts again at group 1,
+  instance 100, so a second strategy whose collectives come in another order fails.
+* `CollectiveAllReduce._launchers` and a launcher's `_device`, `_group_size`, `_group_key`,
+  `_next_instance_key`, `_get_ordering_token`, `_options` (TensorFlow's `cross_device_ops` /
+  `cross_device_utils`) — `tfmp.sharding`'s NCCL reduce-scatter — tf.distribute offers all-reduce
+  and all-gather in public but no reduce-scatter; TF's `CollectiveReduceScatterV2` op is run with the
+  strategy's own group, instance keys and ordering token, as its launchers run all-reduce.
 
 `CHECKED_KERAS_VERSIONS` names the Keras releases these were read and tested against
 (tests/test_keras_internals.py fails if a hook disappears, and its AST scan fails if any other
@@ -76,6 +85,13 @@ def missing_hooks() -> list[str]:
         missing.append("tf.__internal__.distribute.strategy_supports_no_merge_call")
     if not hasattr(tf.__internal__.distribute.interim, "maybe_merge_call"):
         missing.append("tf.__internal__.distribute.interim.maybe_merge_call")
+    if not isinstance(getattr(tf.distribute.MirroredStrategy, "_collective_key_base", None), int):
+        missing.append("MirroredStrategy._collective_key_base")
+    launchers = collective_launchers(tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")[:1]))
+    if launchers is None:
+        missing.append("CollectiveAllReduce._launchers")
+    else:
+        missing += [f"CollectiveReplicaLauncher.{name}" for name in _LAUNCHER_HOOKS if not hasattr(launchers[0][0], name)]
     return missing
 
 
@@ -149,6 +165,61 @@ def optimizer_slot(optimizer: keras.optimizers.Optimizer, name: str, variable):
         if slots:
             return slots[variable_index(optimizer, variable)]
     raise KeyError(f"{type(optimizer).__name__} has no {name} slots")
+
+
+# ------------------------------------------------------------------ tf.distribute's collective launchers
+
+_LAUNCHER_HOOKS = ("_device", "_group_size", "_group_key", "_next_instance_key", "_get_ordering_token", "_options")
+
+
+def collective_launchers(strategy):
+    """`(launchers, implementation)` of a Mirrored- or MultiWorkerMirroredStrategy's collective ops — one
+    launcher per local replica, in `extended.worker_devices` order; implementation "AUTO", "RING" or "NCCL" — or
+    None for a strategy without them (one device, TPUStrategy)."""
+    extended = strategy.extended
+    for attribute in ("_collective_ops", "_cross_device_ops"):  # MirroredStrategy's, MultiWorkerMirroredStrategy's
+        collective_ops = getattr(extended, attribute, None)
+        launchers = getattr(collective_ops, "_launchers", None)
+        if launchers:
+            return list(launchers), collective_ops._options.implementation.name
+    return None
+
+
+COLLECTIVE_KEY_STRIDE = 100_000  # group keys per strategy, as TensorFlow's strategy_combinations spaces them
+
+
+def fresh_collective_keys() -> None:
+    """Makes the next `tf.distribute.MirroredStrategy` built in this process use collective group keys no earlier one
+    used. Without it, a notebook that builds a second strategy whose collectives come in another order than the
+    first's fails with "Collective instance 100 expected type 0 and data_type 1 but got type 2" (measured). Not for
+    MultiWorkerMirroredStrategy: its workers must agree on the keys."""
+    import tensorflow as tf
+
+    tf.distribute.MirroredStrategy._collective_key_base += COLLECTIVE_KEY_STRIDE
+
+
+def _collective_arguments(launcher) -> dict:
+    token = launcher._get_ordering_token()
+    return {"group_size": launcher._group_size, "group_key": launcher._group_key, "instance_key": launcher._next_instance_key(),
+            "ordering_token": [] if token is None else [token], "communication_hint": "nccl",
+            "timeout_seconds": launcher._options.timeout_seconds or 0}
+
+
+def nccl_reduce_scatter(launcher, tensor):
+    """The group's `tensor`s summed, split into group-size chunks along axis 0; this device gets the chunk at its
+    rank. NCCL only: TensorFlow registers no other implementation of `CollectiveReduceScatterV2`."""
+    import tensorflow as tf
+
+    with tf.device(launcher._device):
+        return tf.raw_ops.CollectiveReduceScatterV2(input=tensor, merge_op="Add", final_op="Id", **_collective_arguments(launcher))
+
+
+def nccl_all_gather(launcher, tensor):
+    """The group's `tensor`s concatenated along axis 0 in rank order (the order `nccl_reduce_scatter` deals chunks)."""
+    import tensorflow as tf
+
+    with tf.device(launcher._device):
+        return tf.raw_ops.CollectiveGatherV2(input=tensor, **_collective_arguments(launcher))
 
 
 class LossScaleOptimizerHooks(keras.optimizers.LossScaleOptimizer):

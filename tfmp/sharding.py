@@ -5,7 +5,10 @@ replicas, each replica keeps the optimizer state (Adam's two moments, the moment
 only — whole variables, balanced by bytes, so per-layer rules (LARS' trust ratio, weight-decay exclusions) still see
 whole layers. A step:
 
-1. all-reduces the gradients (SUM, as Keras does: each replica's loss is already divided by N);
+1. packs the gradients share by share into one flat vector (N chunks as long as the largest share) and reduces it so
+   that each replica receives the sum of its own chunk (SUM, as Keras does: each replica's loss is already divided by
+   N): a reduce-scatter where every replica is a GPU with NCCL (each replica receives 1/N of the gradients' bytes),
+   elsewhere an all-reduce of the packed vector, of which each replica keeps its chunk (`NcclReduceScatter`, `AllReduceShares`);
 2. on each replica, updates its share of the variables with its share of the state (a `tf.switch_case` on the replica
    id: each branch is one share's update, and only the replica's own branch runs);
 3. all-gathers the updated shares (`ReplicaContext.all_gather`) and writes every variable on every replica
@@ -48,6 +51,67 @@ def assign_shards(sizes: list[int], count: int) -> list[list[int]]:
     return [sorted(shard) for shard in shards]
 
 
+GRADIENT_REDUCTIONS = ("auto", "all_reduce", "reduce_scatter")
+
+
+class AllReduceShares:
+    """Every device: all-reduce the packed gradients (tf.distribute's public collective) and keep the replica's chunk.
+    Each replica receives every gradient, as in plain data parallelism; the chunks are dealt in replica order."""
+
+    name = "all_reduce"
+
+    def rank_order(self, context):
+        """The global replica id whose share each chunk of the packed vector must hold; None: replica order."""
+        del context
+        return None
+
+    def own_chunk(self, context, packed, replicas: int):
+        total = context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
+        return tf.reshape(total, [replicas, -1])[context.replica_id_in_sync_group]
+
+
+class NcclReduceScatter:
+    """Every replica on a GPU: NCCL reduce-scatter through the strategy's own collective group, so each replica
+    receives only its chunk (1/N of the gradient bytes instead of all of them). NCCL deals chunks by the devices'
+    rank in the group, which TensorFlow may order by the GPUs' interconnect, so the ranks are gathered every step
+    (one int per replica) and the chunks packed in that order. Untested here: there is no GPU on the machines
+    tfmp is built on (tests/test_sharding.py marks its test `requires_gpu`)."""
+
+    name = "reduce_scatter"
+
+    def __init__(self, launchers: list):
+        self.launchers = launchers
+
+    def _launcher(self, context):
+        replica_id = tf.get_static_value(context.replica_id_in_sync_group)
+        return self.launchers[int(replica_id) % len(self.launchers)]  # local replicas run in worker_devices order
+
+    def rank_order(self, context):
+        replica_id = tf.cast(context.replica_id_in_sync_group, tf.float32)[None]
+        return tf.cast(keras_internals.nccl_all_gather(self._launcher(context), replica_id), tf.int32)
+
+    def own_chunk(self, context, packed, replicas: int):
+        del replicas
+        return keras_internals.nccl_reduce_scatter(self._launcher(context), packed)
+
+
+def choose_gradient_reduction(strategy, choice: str = "auto"):
+    """`NcclReduceScatter` where every replica is a physical GPU with NCCL, `AllReduceShares` elsewhere ("auto"); or
+    the one named (a reduce-scatter asked for where it cannot run is refused in one line)."""
+    if choice not in GRADIENT_REDUCTIONS:
+        raise ValueError(f"gradient_reduction must be one of {', '.join(GRADIENT_REDUCTIONS)}, not {choice!r}")
+    if choice == "all_reduce" or strategy.num_replicas_in_sync == 1:  # one replica: the inner optimizer runs as it is
+        return AllReduceShares()
+    found = keras_internals.collective_launchers(strategy)
+    on_gpus = all("GPU" in device.upper() for device in strategy.extended.worker_devices)
+    if found is not None and on_gpus and found[1] != "RING":  # RING: virtual GPUs, where NCCL does not run
+        return NcclReduceScatter(found[0])
+    if choice == "reduce_scatter":
+        raise ValueError("gradient_reduction='reduce_scatter' needs every replica on a physical GPU with NCCL "
+                         "(TensorFlow has no CPU or TPU reduce-scatter); use 'auto' or 'all_reduce'")
+    return AllReduceShares()
+
+
 def _slot_names(optimizer) -> tuple[str, ...]:
     if isinstance(optimizer, keras.optimizers.Adam):  # AdamW is an Adam
         return ("momentum", "velocity")
@@ -82,23 +146,37 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
     Args:
         inner: the optimizer whose update rule is applied (AdamW, Adam, SGD or `tfmp.optimizers.LARS`); it owns the
             learning rate (and its schedule) and the step count.
+        gradient_reduction: how each replica receives its share's summed gradients: "auto" (NCCL reduce-scatter
+            where every replica is a GPU, an all-reduce elsewhere), "all_reduce" or "reduce_scatter".
     """
 
-    def __init__(self, inner: keras.optimizers.Optimizer, name: str = "zero1", **kwargs):
+    def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str = "zero1", **kwargs):
         super().__init__(learning_rate=0.0, name=name, **kwargs)
+        self.gradient_reduction = gradient_reduction
         for option in ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
             if getattr(inner, option, None):
                 raise ValueError(f"optimizer_sharding=zero1 does not support {option}")
         if getattr(inner, "use_ema", False):
             raise ValueError("optimizer_sharding=zero1 does not support use_ema")
         self.slot_names = _slot_names(inner)
-        self.inner = inner
+        # The per-replica buffers and the inner optimizer (whose slots exist on one replica only) are kept out of
+        # TensorFlow's checkpoint tracking: the state goes through `sharded_state`, whole per variable, so a
+        # checkpoint holds the same objects whatever the number of replicas that wrote or reads it.
+        self.held = _Untracked()
+        self.held.inner = inner
         self.sharded_state = ShardedState(self)
-        self.held = _Untracked()  # the per-replica buffers: saved through `sharded_state`, never as variables
+        self.inner_iterations = inner.iterations  # tracked: the step count of the inner optimizer's schedule
+        if isinstance(inner.learning_rate, keras.Variable):  # tracked: a learning rate a callback may have changed
+            self.inner_learning_rate = inner.learning_rate
         self.held.strategy = tf.distribute.get_strategy()  # built under this strategy's scope, as Keras optimizers are
+        self.held.reduction = choose_gradient_reduction(self.held.strategy, gradient_reduction)
         self.replicas = 1
 
     # ------------------------------------------------------------------------------ layout
+
+    @property
+    def inner(self) -> keras.optimizers.Optimizer:
+        return self.held.inner
 
     @property
     def learning_rate(self):
@@ -120,6 +198,7 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             with strategy.scope():
                 self.inner.build(variables)
             self.built = True
+            self._scatter_pending_state()
             return
         sizes = [int(np.prod(variable.shape)) for variable in variables]
         self.shards = assign_shards(sizes, self.replicas)
@@ -137,6 +216,12 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
                                                    synchronization=tf.VariableSynchronization.ON_READ,
                                                    aggregation=tf.VariableAggregation.NONE) for name in self.slot_names}
         self.built = True
+        self._scatter_pending_state()
+
+    def _scatter_pending_state(self):
+        pending, self.held.pending = self.held.pending, None
+        if pending:
+            self.scatter_state(pending)
 
     @property
     def buffers(self) -> dict:
@@ -159,7 +244,9 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         if self.replicas == 1:
-            return self.inner.apply(grads, trainable_variables if trainable_variables is not None else self.variables_in_order)
+            self.inner.apply(grads, trainable_variables if trainable_variables is not None else self.variables_in_order)
+            self.iterations.assign_add(1)  # the step count Keras and tfmp's callbacks read is this optimizer's
+            return
         context = tf.distribute.get_replica_context()
         if context is None:
             raise ValueError("optimizer_sharding=zero1 applies gradients inside strategy.run (replica context)")
@@ -168,13 +255,16 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         present = [index for index, gradient in enumerate(grads) if gradient is not None]
         if not present:  # as Keras' own optimizers refuse it
             raise ValueError(f"No gradients provided for any variable ({len(variables)} variables)")
-        # A variable without a gradient is left as it is (no decay, its state unchanged), as Keras does.
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [tf.cast(grads[index], variables[index].dtype) for index in present])
-        grads = [None] * len(variables)
-        for index, gradient in zip(present, reduced):
-            grads[index] = gradient
+        # A variable without a gradient is left as it is (no decay, its state unchanged), as Keras does; its place in
+        # the packed vector holds zeros.
+        present = set(present)
+        reduction = self.held.reduction
+        shares = tf.stack([self._pack(shard, grads) for shard in self.shards])  # [replicas, shard_elements]
+        order = reduction.rank_order(context)
+        packed = tf.reshape(shares if order is None else tf.gather(shares, order), [-1])
+        own = reduction.own_chunk(context, packed, self.replicas)  # the summed gradients of this replica's share
         learning_rate = tf.cast(self.inner.learning_rate, tf.float32)
-        branches = [lambda shard=shard: self._update_share(shard, grads, learning_rate) for shard in self.shards]
+        branches = [lambda shard=shard: self._update_share(shard, own, present, learning_rate) for shard in self.shards]
         share = tf.switch_case(context.replica_id_in_sync_group, branches)
         gathered = context.all_gather(share[None], axis=0)  # [replicas, shard_elements]
         new_values = []
@@ -185,17 +275,25 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         self.inner.iterations.assign_add(1)
         self.iterations.assign_add(1)
 
-    def _update_share(self, shard: list[int], grads, learning_rate):
+    def _pack(self, shard: list[int], grads):
+        """One share's gradients, flat, in float32 (zeros for a missing gradient), padded to `shard_elements`."""
+        pieces = [tf.zeros([self.sizes[index]]) if grads[index] is None else
+                  tf.reshape(tf.cast(tf.convert_to_tensor(grads[index]), tf.float32), [-1]) for index in shard]
+        used = sum(self.sizes[index] for index in shard)
+        return tf.concat(pieces + [tf.zeros([self.shard_elements - used])], axis=0)
+
+    def _update_share(self, shard: list[int], own_gradients, present: set, learning_rate):
         """The update of one share: new weights (flat, padded) returned, new state written to this replica's buffers."""
         states = {name: [] for name in self.slot_names}
         weights = []
         step = tf.cast(self.inner.iterations + 1, tf.float32)
         for index in shard:
-            variable, gradient = self.variables_in_order[index], grads[index]
+            variable = self.variables_in_order[index]
             start, size = self.offsets[index], self.sizes[index]
             slots = {name: tf.reshape(buffer[start:start + size], variable.shape) for name, buffer in self.buffers.items()}
             weight = tf.convert_to_tensor(variable.value)
-            if gradient is not None:
+            if index in present:
+                gradient = tf.cast(tf.reshape(own_gradients[start:start + size], variable.shape), variable.dtype)
                 weight, slots = update_rule(self.inner, variable, weight, gradient, slots, learning_rate, step)
             weights.append(tf.reshape(weight, [-1]))
             for name in self.slot_names:
@@ -234,8 +332,12 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         return arrays
 
     def scatter_state(self, arrays: dict[str, np.ndarray]) -> None:
-        """Writes whole per-variable state (from `gathered_state`, any layout) into this layout's buffers."""
+        """Writes whole per-variable state (from `gathered_state`, any layout) into this layout's buffers (at build,
+        when the optimizer is not built yet)."""
         if not arrays:
+            return
+        if not self.built:
+            self.held.pending = arrays
             return
         if self.replicas == 1:
             for name in self.slot_names:
@@ -256,7 +358,8 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
                 component.assign(content)
 
     def get_config(self):
-        return {"name": self.name, "inner": keras.saving.serialize_keras_object(self.inner)}
+        return {"name": self.name, "inner": keras.saving.serialize_keras_object(self.inner),
+                "gradient_reduction": self.gradient_reduction}
 
     @classmethod
     def from_config(cls, config):
@@ -279,6 +382,9 @@ class _Untracked:
     def __init__(self):
         self.buffers: dict = {}
         self.strategy = None
+        self.reduction = None
+        self.inner = None
+        self.pending: dict | None = None  # state restored before the optimizer was built
 
 
 def _write_all(strategy, variables, values):

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 PREFIX = "ckpt"
 STATE_FILE = "checkpoint"  # tf.train's name for the file listing a directory's checkpoints
 BUILD_CONFIG_FILE = "model_build_config.json"  # the model's Keras build config: a lazily built model is built from it
+REPLICAS_FILE = "replicas.json"  # how many replicas wrote the checkpoints: a resume on another count says so
 _INDEX = re.compile(rf"^{PREFIX}-(\d+)\.index$")
 
 
@@ -86,19 +87,39 @@ def set_aside_unreadable_state_file(directory: str) -> None:
                    state, STATE_FILE, len(found))
 
 
-def write_build_config(directory: str, build_config: dict) -> None:
-    """Keeps the model's Keras build config (its input shape) beside its checkpoints, written atomically."""
-    path = os.path.join(directory, BUILD_CONFIG_FILE)
-    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=f".{BUILD_CONFIG_FILE}.")
+def _write_json(directory: str, name: str, content: dict) -> None:
+    """Writes `content` as `directory/name` atomically (a crash leaves the old file or the new one)."""
+    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name}.")
     with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-        json.dump(build_config, file)
-    os.replace(temporary, path)
+        json.dump(content, file)
+    os.replace(temporary, os.path.join(directory, name))
+
+
+def _read_json(directory: str, name: str) -> dict | None:
+    try:
+        with open(os.path.join(directory, name), encoding="utf-8") as file:
+            content = json.load(file)
+    except (OSError, ValueError):
+        return None
+    return content if isinstance(content, dict) else None
+
+
+def write_build_config(directory: str, build_config: dict) -> None:
+    """Keeps the model's Keras build config (its input shape) beside its checkpoints."""
+    _write_json(directory, BUILD_CONFIG_FILE, build_config)
 
 
 def read_build_config(directory: str) -> dict | None:
     """The build config `write_build_config` kept in `directory`, or None."""
-    try:
-        with open(os.path.join(directory, BUILD_CONFIG_FILE), encoding="utf-8") as file:
-            return json.load(file)
-    except (OSError, ValueError):
-        return None
+    return _read_json(directory, BUILD_CONFIG_FILE)
+
+
+def write_replicas(directory: str, replicas: int) -> None:
+    """Records how many replicas write the checkpoints in `directory`."""
+    _write_json(directory, REPLICAS_FILE, {"replicas": replicas})
+
+
+def read_replicas(directory: str) -> int | None:
+    """The replica count `write_replicas` recorded in `directory`, or None (none recorded, or unreadable)."""
+    replicas = (_read_json(directory, REPLICAS_FILE) or {}).get("replicas")
+    return replicas if isinstance(replicas, int) else None

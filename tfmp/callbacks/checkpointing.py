@@ -151,6 +151,11 @@ class Checkpointing(keras.callbacks.Callback):
         self.restored_step = int(self._step.numpy())
         self.counter.rewind(self.restored_step)
         logger.info("restored %s (epoch %d, step %d)", path, self.restored_epoch, self.restored_step)
+        written_on, replicas = checkpoint_files.read_replicas(self.directory), self.model.distribute_strategy.num_replicas_in_sync
+        if written_on and written_on != replicas:
+            logger.warning("resuming on %d replica(s) from a checkpoint written on %d: the same global batches in the same "
+                           "order, but not bit-identical to the run on %d (per-replica BatchNorm statistics, summation "
+                           "order)", replicas, written_on, written_on)
         return self.restored_epoch
 
     def _save(self, completed_epochs: int, logs) -> bool:
@@ -165,6 +170,7 @@ class Checkpointing(keras.callbacks.Callback):
         self._last_save = time.monotonic()
         if not self._build_config_written and self.model.get_build_config():
             checkpoint_files.write_build_config(self.save_directory, self.model.get_build_config())
+            checkpoint_files.write_replicas(self.save_directory, self.model.distribute_strategy.num_replicas_in_sync)
             self._build_config_written = True
         return True
 
