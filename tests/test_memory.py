@@ -53,18 +53,17 @@ def test_keras_batchnorm_float32_copies_are_counted_under_bf16():
 
 @pytest.mark.parametrize("policy", ["float32", pytest.param("mixed_bfloat16", marks=pytest.mark.requires_bf16_cpu)])
 def test_estimate_is_within_tolerance_of_the_measured_peak(policy):
-    """Measured step peak / estimated (activations + gradients) stays within [0.5, 2.0].
+    """ResNet-18 at 32 images: the measured step peak within [0.8, 1.25] of the estimated activations + gradients.
 
-    The estimate leaves out oneDNN's workspace (reorders to its blocked layouts), which bf16
-    kernels use more of: measured 1.02 in float32 on Zen 4 and Zen 3, 1.28-1.4 in bf16 on Zen 4
-    (AVX512_BF16) and 1.55 on a Xeon with AMX (BUILD_NOTES.md). Where bf16 is emulated the
-    float32 temporaries make it 2.98, hence `requires_bf16_cpu`."""
-    model = _classifier(policy)
-    estimate = memory.estimate_memory(model, (8, 8, 1), 128)
+    Measured on Zen 4: 0.94 in float32, 0.86 in bf16 (BUILD_NOTES.md, "Memory planner"). Where bf16 is emulated its
+    float32 temporaries count too, hence `requires_bf16_cpu`. (A model of 8x8 images measured 1.8-2.1 in bf16: there
+    oneDNN's bf16 workspace outweighs the activations themselves.)"""
+    model = _classifier(policy, "resnet18_cifar", (32, 32, 3))
+    estimate = memory.estimate_memory(model, (32, 32, 3), 32)
     rng = np.random.default_rng(0)
-    peak = memory.measure_step_peak(model, rng.random((128, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, 128))
+    peak = memory.measure_step_peak(model, rng.random((32, 32, 32, 3), dtype=np.float32), rng.integers(0, 10, 32))
     ratio = peak / (estimate.activations_bytes + estimate.gradients_bytes)
-    assert 0.5 <= ratio <= 2.0, ratio
+    assert 0.8 <= ratio <= 1.25, ratio
 
 
 def test_dry_run_writes_the_estimate_and_trains_nothing(tmp_path, capsys):

@@ -43,14 +43,14 @@ def test_the_plan_names_the_cheapest_remat_and_the_largest_batch_that_fit():
 
 def test_the_recommendation_changes_as_the_device_memory_shrinks(tmp_path, capsys):
     verdicts = []
-    for memory in ("8GiB", "2GiB", "600MiB", "100MiB"):
+    for memory in ("8GiB", "1536MiB", "600MiB", "100MiB"):
         workdir = tmp_path / memory
         assert train.main(["tfmp.train", f"--workdir={workdir}", "--dry_run", "--model=resnet18_cifar", "--image_size=32",
                            "--precision=float32", "--strategy=off", "--global_batch_size=256", f"--device_memory={memory}"]) == 0
         plan = json.loads((workdir / "memory_estimate.json").read_text())["plan"]
         verdicts.append((plan["fits"], plan["cheapest_fitting_remat"], plan["summary"]))
         assert plan["summary"] in capsys.readouterr().out
-    # 8 GiB: fits as asked; 2 GiB: --remat=blocks; 600 MiB: no remat mode, a smaller batch; 100 MiB: the state alone.
+    # 8 GiB: fits as asked; 1.5 GiB: --remat=blocks; 600 MiB: no remat mode, a smaller batch; 100 MiB: the state alone.
     assert [verdict[:2] for verdict in verdicts] == [(True, "none"), (False, "blocks"), (False, None), (False, None)]
     assert verdicts[0][2].startswith("memory plan: fits: --remat=none at 256 images/replica")
     assert "needs --remat=blocks" in verdicts[1][2]

@@ -5,19 +5,23 @@
 * params, gradients: every variable is float32 under tfmp's policies (mixed policies
   keep float32 weights), gradients for the trainable ones;
 * optimizer state: slots per trainable value (AdamW 2, SGD/LARS momentum 1);
-* activations: every leaf layer's output, kept for the backward pass, at the per-replica
-  batch, in the layer's *compute* dtype — 2 bytes under mixed_bfloat16/float16, which
-  is where mixed precision halves activation memory — plus the float32 copy that
-  Keras' own BatchNormalization keeps under 16-bit policies (tfmp's fused
-  `BatchNormalization` keeps none), and inside attention the projections, the attended values and the
-  heads x queries x keys probabilities (float32 softmax output, plus a 16-bit copy under mixed policies).
-  Shapes come from one forward pass on a single example.
-  With activation checkpointing (`--remat`), a checkpointed block counts its output,
-  and the largest block's activations once (they are recomputed one block at a time).
+* activations: what the backward pass keeps, read from the training step's own graph. The
+  forward and backward pass of the model are traced (never run) at a batch of 1 and of 2, and
+  every tensor of the forward pass that an op of the backward pass reads is counted once, in
+  its own dtype — convolution and matmul inputs, ReLU and softmax outputs, BatchNorm inputs, the
+  float32 copies Keras' BatchNormalization makes under 16-bit policies, GELU's intermediates,
+  attention probabilities (heads x tokens^2), the 16-bit copies of the weights under mixed
+  policies — while tensors read only for their shape, variables, and views of another tensor
+  (reshapes, identities) are not. The difference of the two traces is the per-example figure,
+  the rest is fixed (the 16-bit weight copies).
+  On top of what is kept, the backward pass's working set: the gradient flowing into and out of
+  the largest kept tensor. With activation checkpointing (`--remat`) the traced graph keeps each
+  checkpointed block's input only; the backward pass recomputes one block at a time, so the
+  working set is the largest block's own figure (traced alone) when that is larger.
 
-It does not count framework workspace (oneDNN/cuDNN scratch, XLA buffers), temporaries
-of fused ops, or the input pipeline; `measure_step_peak` measures a real step on this
-device so the estimate can be checked (BUILD_NOTES.md gives the measured ratio).
+It does not count framework workspace (oneDNN/cuDNN scratch, XLA buffers), the gradient
+temporaries of the backward pass, or the input pipeline; `measure_step_peak` measures a real step
+on this device so the estimate can be checked (BUILD_NOTES.md gives the measured ratios).
 """
 
 from __future__ import annotations
@@ -29,9 +33,6 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import precision
-from tfmp.diagnostics.flops import attention_lengths
-from tfmp.diagnostics.layer_outputs import captured_outputs, display_names, leaf_layers
-from tfmp.models.layers import BatchNormalization
 from tfmp.models.remat import CheckpointedBlock
 
 OPTIMIZER_SLOTS = {"adamw": 2, "sgd": 1, "lars": 1}
@@ -63,64 +64,81 @@ class MemoryEstimate:
                 f"total {self.total_bytes / mib:.1f} MiB")
 
 
+# Backward-pass ops that read a tensor's shape only: the tensor need not stay alive for them.
+SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+# Forward-pass tensors that are not activations: variables, their reads, constants, the input batch.
+NOT_ACTIVATIONS = frozenset({"ReadVariableOp", "VarHandleOp", "Const", "Placeholder"})
+# Ops whose output is a view of their input's buffer in TensorFlow: kept once, under the tensor viewed.
+VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "ExpandDims"})
+
+
+def _viewed(tensor: tf.Tensor) -> tf.Tensor:
+    while tensor.op.type in VIEWS and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    return tensor
+
+
+def saved_for_backward(model: keras.Model, input_shape: tuple[int, ...], batch: int) -> dict[str, int]:
+    """Bytes by tensor name of the forward pass's tensors that the backward pass reads, for one training step of
+    `model` at `batch` (traced into a graph, not run). The loss is the sum of the outputs: a loss adds only its own
+    few tensors to what the model keeps."""
+    forward_ops: set[str] = set()
+
+    @tf.function
+    def step(images):
+        with tf.GradientTape() as tape:
+            outputs = [output for output in tf.nest.flatten(model(images, training=True)) if output.dtype.is_floating]
+            loss = tf.add_n([tf.reduce_sum(tf.cast(output, tf.float32)) for output in outputs])
+        forward_ops.update(op.name for op in tf.compat.v1.get_default_graph().get_operations())
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec((batch, *input_shape), tf.float32)).graph
+    kept: dict[str, int] = {}
+    for op in graph.get_operations():
+        if op.name in forward_ops or op.type in SHAPE_READERS:
+            continue
+        for tensor in op.inputs:
+            tensor = _viewed(tensor)
+            source = tensor.op
+            if (source.name in forward_ops and source.type not in NOT_ACTIVATIONS and tensor.dtype.is_floating
+                    and tensor.shape.is_fully_defined()):
+                kept[tensor.name] = tensor.shape.num_elements() * tensor.dtype.size
+    return kept
+
+
+def _outermost_checkpointed(layer: keras.layers.Layer) -> list[CheckpointedBlock]:
+    """The checkpointed blocks (`--remat`) inside `layer` that are not inside another one."""
+    found = []
+    for child in getattr(layer, "layers", []) or []:
+        if isinstance(child, CheckpointedBlock) and child.remat:
+            found.append(child)
+        elif isinstance(child, CheckpointedBlock):
+            found += _outermost_checkpointed(child.block)
+        elif isinstance(child, keras.Model):
+            found += _outermost_checkpointed(child)
+    return found
+
+
+def _kept_and_working(model: keras.Model, input_shape: tuple[int, ...], batch: int) -> tuple[int, int]:
+    """(bytes the step keeps for the backward pass, the most the backward pass adds to them at any moment): the
+    gradient flowing into and out of the largest kept tensor, or a checkpointed block recomputed with its own."""
+    kept = saved_for_backward(model, input_shape, batch)
+    working = [2 * max(kept.values(), default=0)]
+    for block in _outermost_checkpointed(model):
+        block_kept, block_working = _kept_and_working(block.block, tuple(block.block.inputs[0].shape[1:]), batch)
+        working.append(block_kept + block_working)
+    return sum(kept.values()), max(working)
+
+
+def activation_bytes(model: keras.Model, input_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(bytes per example, fixed bytes) of the activations one training step keeps (see the module docstring)."""
+    one, two = (sum(_kept_and_working(model, input_shape, batch)) for batch in (1, 2))
+    return two - one, max(0, 2 * one - two)
+
+
 def activation_bytes_per_example(model: keras.Model, input_shape: tuple[int, ...]) -> int:
-    """Bytes of all leaf-layer outputs for one example, in each layer's compute dtype.
-
-    Keras' BatchNormalization computes in float32 under a 16-bit policy (it casts its
-    input up and its output back), so the backward pass also keeps a float32 copy of a
-    BatchNorm's input: counted here, because it is what erodes bf16's memory saving.
-    tfmp's `BatchNormalization` on its fused path keeps the input in its own dtype.
-    """
-    layers = leaf_layers(model)
-    names = display_names(layers)
-    batch_norms = {names[layer] for layer in layers if _keeps_float32_copy(layer)}
-    with captured_outputs(model) as captured:
-        model(np.zeros((1, *input_shape), np.float32), training=False)
-    kept = {}
-    for name, tensor in captured:
-        elements = int(np.prod(tensor.shape[1:]))
-        kept[name] = elements * tensor.dtype.size + (elements * 4 if name in batch_norms else 0)
-    for attention, (queries, keys) in attention_lengths(model).items():
-        kept[attention.name] = _attention_bytes(attention, queries, keys, [kept.get(names[leaf], 0) for leaf in leaf_layers(attention)])
-    return _kept_bytes(model, kept)
-
-
-def _attention_bytes(attention: keras.layers.MultiHeadAttention, queries: int, keys: int, projections: list[int]) -> int:
-    """What one `MultiHeadAttention` keeps for the backward pass, per example: its query, key, value and output
-    projections, the attended values (the output projection's input, the size of the queries') and the attention
-    probabilities — float32 from the softmax (Keras 3.15 takes it in float32) plus their cast to a 16-bit compute
-    dtype for the matmul with the values. These grow with the square of the token count."""
-    compute_size = np.dtype(attention.compute_dtype).itemsize if attention.compute_dtype != "bfloat16" else 2
-    probabilities = attention.num_heads * queries * keys * (4 + (compute_size if compute_size < 4 else 0))
-    attended = attention.num_heads * queries * (attention.value_dim or attention.key_dim) * compute_size
-    return sum(projections) + attended + probabilities
-
-
-def _kept_bytes(model: keras.Model, leaf_bytes: dict[str, int]) -> int:
-    """Activation bytes alive at the backward pass's peak, with activation checkpointing.
-
-    Without it, every leaf output is kept. A checkpointed block (`--remat`) keeps only its
-    output during the forward pass; in the backward pass its activations come back one
-    block at a time, so the largest block's own (recursive) figure is added once.
-    """
-    kept, largest_recomputed = 0, 0
-    for layer in model.layers:
-        if isinstance(layer, CheckpointedBlock) and layer.remat:
-            kept += leaf_bytes.get(layer.block.layers[-1].name, 0)
-            largest_recomputed = max(largest_recomputed, _kept_bytes(layer.block, leaf_bytes))
-        elif isinstance(layer, CheckpointedBlock):
-            kept += _kept_bytes(layer.block, leaf_bytes)
-        elif isinstance(layer, keras.Model):
-            kept += _kept_bytes(layer, leaf_bytes)
-        else:
-            kept += leaf_bytes.get(layer.name, 0)
-    return kept + largest_recomputed
-
-
-def _keeps_float32_copy(layer: keras.layers.Layer) -> bool:
-    if not isinstance(layer, keras.layers.BatchNormalization) or layer.compute_dtype not in ("float16", "bfloat16"):
-        return False
-    return not (isinstance(layer, BatchNormalization) and layer.uses_fused_kernel)
+    """The per-example part of `activation_bytes`."""
+    return activation_bytes(model, input_shape)[0]
 
 
 def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replica_batch: int, optimizer: str = "adamw",
@@ -138,7 +156,8 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
     """
     params = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
     trainable = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
-    activations = activation_bytes_per_example(model, input_shape) * per_replica_batch * views
+    per_example, fixed = activation_bytes(model, input_shape)
+    activations = per_example * per_replica_batch * views + fixed
     return MemoryEstimate(
         precision=precision.global_policy_name(),
         per_replica_batch=per_replica_batch,
@@ -162,9 +181,12 @@ def reset_peak_memory(device: str = "CPU:0") -> bool:
     return True
 
 
-def measure_step_peak(model: keras.Model, images: np.ndarray, labels: np.ndarray, device: str = "CPU:0") -> int:
+def measure_step_peak(model: keras.Model, images: np.ndarray, labels: np.ndarray, device: str = "CPU:0",
+                      keep_gradients: bool = True) -> int:
     """Peak bytes allocated on `device` during one forward + backward pass, above what was
-    allocated before it (variables and the batch itself excluded)."""
+    allocated before it (variables and the batch itself excluded). With `keep_gradients=False` each
+    weight gradient is summed away as soon as it exists, so the peak is the activations and the
+    backward pass's working set, without the gradients piling up (the estimate's activations)."""
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     images, labels = tf.constant(images), tf.constant(labels)
 
@@ -172,7 +194,10 @@ def measure_step_peak(model: keras.Model, images: np.ndarray, labels: np.ndarray
     def step():
         with tf.GradientTape() as tape:
             loss = loss_fn(labels, model(images, training=True))
-        return tape.gradient(loss, model.trainable_variables)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        if keep_gradients:
+            return gradients
+        return tf.add_n([tf.reduce_sum(tf.cast(gradient, tf.float32)) for gradient in gradients])
 
     step()  # trace and warm up outside the measurement
     if not reset_peak_memory(device):

@@ -5,8 +5,10 @@ Given a device's memory (`--device_memory=16GiB`, read by `tfmp.config.parse_mem
 the order of its cost in step time — `none`, then `blocks` (one extra forward pass of each block: 1.2-1.4x the step,
 measured), then `full` — and names the first that fits, and the largest per-replica batch that fits with the run's
 own mode. A configuration *fits*
-when its estimate is at most `USABLE_FRACTION` of the device: the estimate leaves out framework workspace and
-temporaries, and measured 0.64-0.91 of the allocator's peak on this project's models (BUILD_NOTES.md).
+when its estimate is at most `USABLE_FRACTION` of the device: the estimate leaves out framework workspace (cuDNN,
+XLA, allocator fragmentation). Against the allocator's peak on this project's models its total of activations and
+gradients measured 0.86-1.0 for ResNets and 0.63-0.85 for ViT-B/16, where gradients pile up while activations are
+freed (BUILD_NOTES.md, "Memory planner").
 
 Where the weights, gradients and optimizer state alone do not fit, it says so, and what sharding the optimizer state
 over the replicas (`--optimizer_sharding=zero1`) would leave; tfmp does not shard weights or gradients.
