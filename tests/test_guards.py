@@ -1,5 +1,7 @@
 """Guardrails: the NaN guard, loss-scale collapse, replica consistency, augmentation streams."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -144,6 +146,36 @@ def test_plain_batchnorm_lets_moving_statistics_drift_apart_and_the_check_says_s
     _train_one_epoch(model)
     differing = distribute.check_replica_consistency(model)
     assert differing and all("moving_mean" in name or "moving_variance" in name for name in differing)
+
+
+def test_a_users_keras_batchnorm_model_trains_through_default_callbacks_on_two_replicas_with_one_warning(tmp_path, caplog):
+    """Keras' own non-synchronized BatchNormalization lets each replica's moving statistics drift (by Keras' design):
+    the replica check warns once, naming the layer, and does not stop the user's fit() (it did, at step 2)."""
+    import logging
+
+    strategy = distribute.get_strategy("mirrored")
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, use_bias=False),
+                                  keras.layers.BatchNormalization(name="user_bn"), keras.layers.ReLU(), keras.layers.Flatten(),
+                                  keras.layers.Dense(10)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).random((64, 8, 8, 1), dtype=np.float32)
+    with caplog.at_level(logging.WARNING, logger="tfmp.callbacks.guards"):
+        model.fit(x, np.arange(64) % 10, batch_size=16, epochs=2, verbose=0,
+                  callbacks=callbacks.default_callbacks(str(tmp_path / "run"), replica_check_every_steps=1))
+    assert int(model.optimizer.iterations.numpy()) == 8
+    warnings = [record.getMessage() for record in caplog.records if "BatchNorm moving statistics" in record.getMessage()]
+    assert len(warnings) == 1 and re.search(r"in 1 layer\(s\) \(sequential(_\d+)?/user_bn\)", warnings[0]), warnings
+    drifting = distribute.check_replica_consistency(model)  # the drift is real, and only there
+    assert drifting and all("user_bn/moving_" in path for path in drifting), drifting
+    # A trainable weight that differs still stops training.
+    kernel = model.layers[0].kernel
+    kernel.value.values[1].assign(kernel.value.values[1] + 1e-3)
+    check = callbacks.ReplicaConsistencyCheck()
+    check.set_model(model)
+    with pytest.raises(callbacks.ReplicaDivergenceError, match=f"on 1 variable\\(s\\): {kernel.path}$"):
+        check.on_epoch_end(0)
 
 
 def test_augmentation_streams_differ_across_replicas_only_when_seeded_by_replica():

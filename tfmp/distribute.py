@@ -202,8 +202,22 @@ def replica_values(variable) -> list:
     return [v.numpy() for v in strategy.experimental_local_results(tf_variable)]
 
 
-def check_replica_consistency(model, atol: float = 0.0) -> list[str]:
-    """Names (paths) of the model's variables whose per-replica copies differ.
+def replica_local_statistics(model) -> list:
+    """The moving statistics that Keras' own BatchNormalization, when not synchronized, updates on each replica from
+    that replica's part of the batch (Keras 3.15: mirrored variables, aggregation NONE), so that they differ across
+    replicas by Keras' design and a saved model keeps the first replica's. tfmp's BatchNormalization on its fused
+    path averages them over the replicas, and a synchronized one computes them over the global batch: neither is
+    listed."""
+    found = []
+    for layer in keras_internals.nested_layers(model):
+        if (isinstance(layer, keras.layers.BatchNormalization) and not layer.synchronized
+                and not getattr(layer, "uses_fused_kernel", False)):
+            found += [variable for variable in (layer.moving_mean, layer.moving_variance) if variable is not None]
+    return found
+
+
+def check_replica_consistency(model, atol: float = 0.0, variables: list | None = None) -> list[str]:
+    """Names (paths) of the model's variables (or of `variables`) whose per-replica copies differ.
 
     Mirrored training keeps every replica's copy of every variable identical: same
     initialisation, same all-reduced update. A difference means a broken invariant
@@ -222,7 +236,7 @@ def check_replica_consistency(model, atol: float = 0.0) -> list[str]:
         Variable paths, empty when all replicas agree.
     """
     differing = []
-    for variable in model.variables:
+    for variable in model.variables if variables is None else variables:
         tf_variable = getattr(variable, "value", variable)
         if getattr(tf_variable, "synchronization", None) == tf.VariableSynchronization.ON_READ:
             continue

@@ -219,6 +219,10 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
     hold the same variables (`tfmp.distribute.check_replica_consistency`) and stops training with
     `ReplicaDivergenceError` naming the ones that do not. Does nothing on one replica.
 
+    The moving statistics of Keras' own non-synchronized BatchNormalization differ across replicas
+    by Keras' design (`tfmp.distribute.replica_local_statistics`): they do not stop training; the
+    first time they differ, one warning names their layers and the fix.
+
     Args:
         replica_check_every_steps: steps between checks (0: epoch ends only).
         atol: allowed absolute difference.
@@ -232,17 +236,31 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
         self._owns_counter = counter is None
         self.counter = counter or StepCounter()
         self._active = False
+        self._warned = False
 
     def on_train_begin(self, logs=None):
         self._active = self.model.distribute_strategy.num_replicas_in_sync > 1
+        self._warned = False
 
     def _check(self):
         if self.model.distribute_strategy.num_replicas_in_sync < 2:
             return
-        differing = distribute.check_replica_consistency(self.model, self.atol)
+        local = distribute.replica_local_statistics(self.model)
+        local_ids = {id(variable) for variable in local}
+        checked = [variable for variable in self.model.variables if id(variable) not in local_ids]
+        differing = distribute.check_replica_consistency(self.model, self.atol, checked)
         if differing:
             raise ReplicaDivergenceError(f"replicas disagree at step {self.counter.step} on {len(differing)} variable(s): "
                                          f"{', '.join(differing)}")
+        drifting = distribute.check_replica_consistency(self.model, self.atol, local) if local and not self._warned else []
+        if drifting:
+            self._warned = True
+            layers = sorted({path.rsplit("/", 1)[0] for path in drifting})
+            logger.warning("replicas hold different BatchNorm moving statistics at step %d in %d layer(s) (%s): Keras' "
+                           "BatchNormalization without synchronized=True updates each replica's copy from its own part "
+                           "of the batch, and a saved model keeps the first replica's; build it with synchronized=True "
+                           "(or tfmp.models.layers.BatchNormalization) to keep them equal", self.counter.step, len(layers),
+                           ", ".join(layers))
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._owns_counter:
