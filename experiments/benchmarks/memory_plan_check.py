@@ -8,7 +8,14 @@ forward + backward step above what was allocated before it, with each weight gra
 the gradients do not pile up in the figure); and the whole step's peak (every gradient kept, as training keeps
 them) against the estimate's activations + gradients. For ResNet-18 (CIFAR) and the largest encoder tfmp has
 (ViT-B/16 at 224x224), each at two batch sizes.
+
+    python experiments/benchmarks/memory_plan_check.py --replica_table
+
+prints instead the estimate's bytes per replica for 1, 2, 4 and 8 replicas with `--optimizer_sharding=zero1`, with
+and without `--remat=blocks` (computed, nothing measured), the table in BUILD_NOTES.md.
 """
+
+import sys
 
 from tfmp import tf_environment
 
@@ -53,5 +60,21 @@ def main() -> None:
                       f"{measured[component] / predicted[component]:.2f} |")
 
 
+def replica_table() -> None:
+    print("| model | images/replica | remat | replicas (zero1) | weights | gradients | optimizer | activations | total |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, shape, batch in (("resnet18_cifar", (32, 32, 3), 256), ("vit_base_p16", (224, 224, 3), 32)):
+        for remat, replica_counts in (("none", (1, 2, 4, 8)), ("blocks", (1, 8))):
+            model = models.build_classifier(models.build_encoder(name, shape, remat=remat), 10)
+            for replicas in replica_counts:
+                estimate = memory.estimate_memory(model, shape, batch, "adamw", optimizer_shards=replicas)
+                parts = (estimate.params_bytes, estimate.gradients_bytes, estimate.optimizer_bytes, estimate.activations_bytes,
+                         estimate.total_bytes)
+                print(f"| {name} | {batch} | {remat} | {replicas} | " + " | ".join(f"{part / MIB:.0f}" for part in parts) + " |")
+
+
 if __name__ == "__main__":
-    main()
+    if "--replica_table" in sys.argv[1:]:
+        replica_table()
+    else:
+        main()
