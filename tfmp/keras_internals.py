@@ -87,6 +87,8 @@ def missing_hooks() -> list[str]:
         missing.append("tf.__internal__.distribute.interim.maybe_merge_call")
     if not isinstance(getattr(tf.distribute.MirroredStrategy, "_collective_key_base", None), int):
         missing.append("MirroredStrategy._collective_key_base")
+    else:
+        fresh_collective_keys()  # this throwaway strategy's keys collide with no other's
     launchers = collective_launchers(tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")[:1]))
     if launchers is None:
         missing.append("CollectiveAllReduce._launchers")
