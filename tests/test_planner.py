@@ -67,7 +67,7 @@ def test_a_run_predicted_not_to_fit_is_refused_and_writes_nothing_unless_told_to
     assert not workdir.exists()
     assert train.main([*common, "--device_memory=1MiB", "--ignore_memory_estimate"]) == 0
     ignored = json.loads((workdir / "metrics.json").read_text())
-    # The plan built the model three more times; the run still starts from the seed's weights.
+    # The plan built the model again (once per remat mode it needed); the run still starts from the seed's weights.
     assert train.main(["tfmp.train", f"--workdir={tmp_path / 'plain'}", *common[2:]]) == 0
     plain = json.loads((tmp_path / "plain" / "metrics.json").read_text())
     assert ignored["train_loss"] == plain["train_loss"] and ignored["eval_accuracy"] == plain["eval_accuracy"]

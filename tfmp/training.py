@@ -48,7 +48,8 @@ def _memory_estimate(config: Config, data: tfmp_data.ImageData, runtime: Runtime
 
 def memory_plan(config: Config, data: tfmp_data.ImageData, runtime: Runtime):
     """`tfmp.diagnostics.planner.Plan` for one device of `--device_memory` (or the GPU's own memory); None when
-    neither is known. Builds the model once per remat mode, then seeds again, so the run initialises as without it."""
+    neither is known. Builds the model once per remat mode the plan needs, then seeds again, so the run initialises
+    as without it."""
     from tfmp.diagnostics import planner
 
     device_bytes = parse_memory_size(config.device_memory) if config.device_memory else (

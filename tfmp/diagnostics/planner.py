@@ -48,7 +48,7 @@ class Plan:
     device_bytes: int
     remat: str
     per_replica_batch: int
-    totals: dict[str, int]  # remat mode -> estimated bytes per replica at the run's batch
+    totals: dict[str, int]  # remat mode -> estimated bytes per replica at the run's batch (the modes `plan` needed)
     state_bytes: int  # weights + gradients + optimizer state: what no remat mode changes
     largest_batch: int  # the largest per-replica batch that fits with the run's own remat mode (0: none)
     zero1_state_bytes: int = 0  # the state with the optimizer's sharded over the replicas (`--optimizer_sharding=zero1`)
@@ -88,13 +88,22 @@ class Plan:
 
 
 def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_replica_batch: int, replicas: int = 1) -> Plan:
-    """Plans from `estimate(remat_mode) -> MemoryEstimate` (built at the run's per-replica batch and sharding)."""
-    estimates = {mode: estimate(mode) for mode in REMAT_BY_COST}
-    own = estimates[remat]
+    """Plans from `estimate(remat_mode) -> MemoryEstimate` (built at the run's per-replica batch and sharding).
+
+    Each estimate builds and traces the model, so modes are estimated only as far as the verdict needs: the run's
+    own, then in order of cost until one fits (none when the state alone does not fit)."""
+    own = estimate(remat)
+    totals = {remat: own.total_bytes}
     state = own.params_bytes + own.gradients_bytes + own.optimizer_bytes
+    usable = int(device_bytes * USABLE_FRACTION)
+    if state <= usable:
+        for mode in REMAT_BY_COST:
+            if mode not in totals:
+                totals[mode] = estimate(mode).total_bytes
+            if totals[mode] <= usable:
+                break
     per_example = own.activations_bytes / max(per_replica_batch, 1)
-    room = int(device_bytes * USABLE_FRACTION) - state
+    room = usable - state
     largest = int(room // per_example) if per_example and room > 0 else 0
     zero1_state = own.params_bytes + own.gradients_bytes + -(-own.optimizer_bytes // replicas)
-    return Plan(device_bytes, remat, per_replica_batch, {mode: value.total_bytes for mode, value in estimates.items()}, state,
-                max(0, largest), zero1_state)
+    return Plan(device_bytes, remat, per_replica_batch, totals, state, max(0, largest), zero1_state)
