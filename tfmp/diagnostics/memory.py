@@ -136,11 +136,6 @@ def activation_bytes(model: keras.Model, input_shape: tuple[int, ...]) -> tuple[
     return two - one, max(0, 2 * one - two)
 
 
-def activation_bytes_per_example(model: keras.Model, input_shape: tuple[int, ...]) -> int:
-    """The per-example part of `activation_bytes`."""
-    return activation_bytes(model, input_shape)[0]
-
-
 def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replica_batch: int, optimizer: str = "adamw",
                     views: int = 1, optimizer_shards: int = 1) -> MemoryEstimate:
     """Estimates one replica's training memory.
