@@ -30,7 +30,7 @@ def test_a_supervised_run_stopped_in_its_first_and_last_epoch_resumes_bit_for_bi
     report = _measure({"task": "supervised", "epochs": 4}, [3, 40], "--deterministic")  # 11 steps an epoch
     assert report["steps"] == 44
     for stop in report["stops"]:
-        assert stop["stopped"].startswith(f"SIGTERM at step {stop['after_step'] + 1}: checkpoint saved"), stop
+        assert stop["stopped"].startswith(f"stopped by SIGTERM at step {stop['after_step'] + 1}: checkpoint saved"), stop
         assert stop["steps"] == 44 and stop["checkpoint_difference"][0] == 0.0, stop
     first, last = report["stops"]
     assert set(first["metric_differences"]) <= {"achieved_gflops_per_second"}, first  # eval figures equal too
@@ -45,7 +45,7 @@ def test_a_run_stopped_by_ctrl_c_or_killed_resumes_bit_for_bit(precision):
     so the rerun repeats the steps after it — the same ones, as the run never stopped had them."""
     overrides = {"task": "supervised", "epochs": 4, "precision": precision, "checkpoint_every_steps": 5}
     [interrupted] = _measure(overrides, [25], "--deterministic", "--signal=INT")["stops"]
-    assert interrupted["stopped"].startswith("Ctrl-C (SIGINT) at step 26: checkpoint saved"), interrupted
+    assert interrupted["stopped"].startswith("stopped by Ctrl-C (SIGINT) at step 26: checkpoint saved"), interrupted
     killed = _measure(overrides, [17, 40], "--deterministic", "--signal=KILL")["stops"]
     assert [stop["resumed_from_step"] for stop in killed] == [15, 40]  # inside epoch 2; inside the last epoch
     for stop in [interrupted, *killed]:
@@ -58,7 +58,7 @@ def test_a_stop_at_the_batch_end_that_ends_an_epoch_resumes_at_the_next_epoch():
     checkpoint counts that epoch as done, so the rerun does not train it again (the main job said 1111 steps)."""
     report = _measure({"task": "supervised", "epochs": 4, "steps_per_execution": 11}, [1], "--deterministic")
     [stop] = report["stops"]
-    assert stop["stopped"].startswith("SIGTERM at step 22: checkpoint saved"), stop
+    assert stop["stopped"].startswith("stopped by SIGTERM at step 22: checkpoint saved"), stop
     assert stop["steps"] == report["steps"] == 44 and stop["checkpoint_difference"][0] == 0.0, stop
 
 

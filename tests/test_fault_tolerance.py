@@ -56,8 +56,8 @@ def test_kill_9_then_rerun_resumes(run_cli, tmp_path):
 
 
 STOPS = {  # signal: (exit code, the last line's start)
-    signal.SIGTERM: (143, r"preempted: SIGTERM"),
-    signal.SIGINT: (130, r"interrupted: Ctrl-C \(SIGINT\)"),
+    signal.SIGTERM: (143, r"warning: stopped by SIGTERM"),
+    signal.SIGINT: (130, r"warning: stopped by Ctrl-C \(SIGINT\)"),
 }
 
 
@@ -186,7 +186,7 @@ def test_ctrl_c_checkpoints_the_step_and_fit_resumes_from_it(tmp_path, python_ct
         _classifier().fit(images, labels, batch_size=128, epochs=3, verbose=0,
                           callbacks=[*callbacks.default_callbacks(str(tmp_path)), _CtrlC(at_step=7)])
     assert stopped.value.signal_number == signal.SIGINT
-    assert str(stopped.value) == "Ctrl-C (SIGINT) at step 7: checkpoint saved; rerun the same command to resume"
+    assert str(stopped.value) == "stopped by Ctrl-C (SIGINT) at step 7: checkpoint saved; rerun the same command to resume"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
     assert [step for step, _ in callbacks.find_checkpoints(os.path.join(tmp_path, "checkpoints"))] == [7]
 

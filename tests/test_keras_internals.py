@@ -60,10 +60,18 @@ def _tfmp_own_private_names(trees) -> set[str]:
     return {name for name in own if name.startswith("_")}
 
 
+def _on_self(node) -> bool:
+    import ast
+
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
 def private_accesses(sources: dict[str, str]) -> list[str]:
     """Where the given modules (name -> source) touch a private Keras / TensorFlow name: an attribute
-    `._name` that tfmp does not define itself, or that Keras or TF also uses (an override or a
-    read of their state), `__internal__`, or an import from Keras' or TF's private packages."""
+    `._name` read of any object but `self` / `cls` (whose type cannot be told from the source, so
+    any other object may be Keras' or TF's), or of `self` where tfmp does not define the name itself
+    or Keras or TF also uses it (an override or a read of their state); `getattr` of a private name;
+    `__internal__`; an import from Keras' or TF's private packages."""
     import ast
 
     trees = {name: ast.parse(source) for name, source in sources.items()}
@@ -75,8 +83,11 @@ def private_accesses(sources: dict[str, str]) -> list[str]:
             where = f"{name}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
                 dunder = node.attr.startswith("__") and node.attr.endswith("__")
-                if (node.attr == "__internal__") or (not dunder and node.attr not in own):
+                if (node.attr == "__internal__") or (not dunder and (node.attr not in own or not _on_self(node))):
                     found.append(f"{where} .{node.attr}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr", "hasattr")
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and str(node.args[1].value).startswith("_")):
+                found.append(f"{where} {node.func.id}(..., {node.args[1].value!r})")
             elif isinstance(node, ast.FunctionDef) and node.name in keras_private:
                 found.append(f"{where} def {node.name} (overrides a private Keras/TF method)")
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PRIVATE_MODULES):
@@ -108,5 +119,28 @@ def test_the_fence_finds_a_planted_private_access():
     overriding["planted.py"] = ("import keras\n\nclass Mine(keras.optimizers.SGD):\n"
                                 "    def _get_variable_index(self, variable):\n        return 0\n")
     assert private_accesses(overriding) == ["planted.py:4 def _get_variable_index (overrides a private Keras/TF method)"]
+    # A private name tfmp also uses for its own state (`Checkpointing._step`), read of another object.
+    assert "_step" in _tfmp_own_private_names([__import__("ast").parse(source) for source in _tfmp_sources().values()])
+    reaching = {**_tfmp_sources(), "planted.py": "def f(model):\n    return model._step\n"}
+    assert private_accesses(reaching) == ["planted.py:2 ._step"]
+    by_name = {**_tfmp_sources(), "planted.py": "def f(model):\n    return getattr(model, '_initial_epoch', 0)\n"}
+    assert private_accesses(by_name) == ["planted.py:2 getattr(..., '_initial_epoch')"]
     importing = {"planted.py": "from keras.src.backend.tensorflow import trainer\n"}
     assert private_accesses(importing) == ["planted.py:1 from keras.src.backend.tensorflow"]
+
+
+def test_missing_hooks_checks_every_private_name_the_fence_module_touches():
+    """A private name used in keras_internals.py (an attribute, or a name looked up by string) that `missing_hooks`
+    does not check would fail late, at its first use after a Keras upgrade, instead of at start-up."""
+    import ast
+    import pathlib
+
+    tree = ast.parse(pathlib.Path(keras_internals.__file__).read_text(encoding="utf-8"))
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+            and not (node.attr.startswith("__") and node.attr.endswith("__")) and not _on_self(node)}
+    used |= {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and node.value.startswith("_") and not node.value.startswith("__") and node.value.isidentifier()}
+    defined_here = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    # Keras' private methods the fence's own LossScaleOptimizerHooks overrides are checked through LOSS_SCALE_HOOKS.
+    unchecked = used - keras_internals.hook_names() - {name for name in defined_here if name not in keras_internals.hook_names()}
+    assert unchecked == set()

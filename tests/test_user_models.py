@@ -29,6 +29,15 @@ from contrastive_user_model import ContrastiveModel, digits  # noqa: E402
 STEPS_PER_EPOCH = 15  # 1,797 digits in batches of 128, the last one partial
 
 
+@pytest.fixture
+def new_process(monkeypatch):
+    """Makes the next fit() behave as in a new process: tfmp forgets the fits this process trained (a second fit in
+    one process that would train nothing is refused; a rerun in a new process resumes)."""
+    from tfmp.callbacks import checkpointing
+
+    return lambda: monkeypatch.setattr(checkpointing, "_TRAINED_IN_THIS_PROCESS", {})
+
+
 def _checkpoint_steps(workdir) -> list[int]:
     return [step for step, _ in callbacks.find_checkpoints(os.path.join(workdir, "checkpoints"))]
 
@@ -98,11 +107,12 @@ def test_models_built_lazily_train_checkpoint_and_resume(make_model, replicas, t
 
 
 @pytest.mark.parametrize("make_model", [_lazy_sequential, _subclassed], ids=["lazy_sequential", "subclassed"])
-def test_a_finished_lazily_built_model_is_restored_by_a_rerun_with_nothing_left_to_train(make_model, tmp_path):
+def test_a_finished_lazily_built_model_is_restored_by_a_rerun_with_nothing_left_to_train(make_model, tmp_path, new_process):
     images, labels = digits()
     model = make_model()
     first = model.fit(images, labels, batch_size=128, epochs=2, verbose=0, callbacks=callbacks.default_callbacks(str(tmp_path)))
     trained = model.evaluate(images, labels, verbose=0)
+    new_process()
 
     rerun = make_model()  # a new process would build the same fresh model
     history = rerun.fit(images, labels, batch_size=128, epochs=2, verbose=0, callbacks=callbacks.default_callbacks(str(tmp_path)))
@@ -120,6 +130,58 @@ def _contrastive(strategy, images):
         if strategy.num_replicas_in_sync > 1:
             model.build_with_optimizers(images[:1])
     return model
+
+
+def test_a_model_compiled_without_an_optimizer_is_rerun_on_one_device(tmp_path, new_process):
+    """keras-io's DCGAN and SimCLR pattern: `compile()` calls `super().compile()` with no optimizer (Keras makes an
+    RMSprop that never steps) and the model steps optimizers of its own. Built up front on one device, its rerun
+    failed in the restore ("Found 2 Python objects that were not bound to checkpointed values": the unused RMSprop,
+    built for the restore, has slots no checkpoint holds)."""
+    images, labels = digits()
+    strategy = _strategy(1)
+    model = _contrastive(strategy, images)
+    model.build_with_optimizers(images[:1])
+    first = model.fit(images, labels, batch_size=128, epochs=2, verbose=0, callbacks=callbacks.default_callbacks(str(tmp_path)))
+    assert not model.optimizer.built  # the compiled optimizer never stepped
+    new_process()
+
+    rerun = _contrastive(strategy, images)
+    rerun.build_with_optimizers(images[:1])
+    history = rerun.fit(images, labels, batch_size=128, epochs=2, verbose=0, callbacks=callbacks.default_callbacks(str(tmp_path)))
+    assert history.history["c_loss"] == first.history["c_loss"]  # nothing trained again: the run's own history
+    assert _checkpoint_steps(tmp_path)[-1] == 2 * STEPS_PER_EPOCH
+    for name in ("contrastive_optimizer", "probe_optimizer"):  # their steps and slots restored, not fresh
+        trained, restored = getattr(model, name), getattr(rerun, name)
+        assert int(restored.iterations.numpy()) == int(trained.iterations.numpy()) == 2 * STEPS_PER_EPOCH
+        for slot, expected in zip(restored.variables, trained.variables):
+            np.testing.assert_array_equal(slot.numpy(), expected.numpy())
+    for restored, trained in zip(rerun.weights, model.weights):
+        np.testing.assert_array_equal(restored.numpy(), trained.numpy())
+
+
+def test_a_second_fit_in_one_process_that_would_train_nothing_is_refused_in_one_line(tmp_path, new_process):
+    """keras-io's distributed-training guide calls `run_training(epochs=1)` twice in one process: plain Keras trains a
+    second epoch; with tfmp's checkpoints `epochs` is the run's total, so the second fit() trained nothing, silently.
+    It is refused, saying what to pass; that call trains the second epoch, and a new process resumes as before."""
+    images, labels = digits()
+
+    def run_training(epochs):
+        model = _lazy_sequential()  # the guide builds (or restores) its model in each call
+        return model.fit(images, labels, batch_size=128, epochs=epochs, verbose=0,
+                         callbacks=[keras.callbacks.TerminateOnNaN()] + callbacks.default_callbacks(str(tmp_path)))
+
+    run_training(epochs=1)
+    with pytest.raises(callbacks.RepeatedFit) as refused:
+        run_training(epochs=1)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"fit(epochs=1) on {tmp_path} would train nothing")
+    assert message.endswith("pass epochs=2 to train 1 more, or use another workdir")
+    assert _checkpoint_steps(tmp_path) == [STEPS_PER_EPOCH]  # nothing written by the refused call
+
+    history = run_training(epochs=2)
+    assert history.epoch == [0, 1] and _checkpoint_steps(tmp_path)[-1] == 2 * STEPS_PER_EPOCH
+    new_process()  # the same script rerun: its first call restores the finished run, trains nothing, is not refused
+    assert run_training(epochs=2).epoch == [0, 1] and _checkpoint_steps(tmp_path)[-1] == 2 * STEPS_PER_EPOCH
 
 
 @pytest.mark.parametrize("policy, replicas", [("float32", 1), ("mixed_float16", 1), ("float32", 2)])
@@ -193,15 +255,29 @@ def test_a_contrastive_run_killed_with_sigkill_resumes(tmp_path):
     assert _checkpoint_steps(tmp_path)[-1] == resumed_from + remaining_epochs * STEPS_PER_EPOCH - 1
 
 
-@pytest.mark.parametrize("name, code, what", [("SIGTERM", 143, "preempted: SIGTERM"),
-                                              pytest.param("SIGINT", 130, "interrupted: Ctrl-C (SIGINT)", marks=pytest.mark.slow)])
-def test_a_signal_stops_a_users_script_like_the_cli(tmp_path, name, code, what):
-    """Exit 128 + the signal with one line on stderr, the step checkpointed, and the rerun resumes from it."""
+@pytest.mark.parametrize("name, code, what, where, step", [
+    ("SIGTERM", 143, "SIGTERM", "step", 4),
+    pytest.param("SIGINT", 130, "Ctrl-C (SIGINT)", "step", 4, marks=pytest.mark.slow),
+    # After the last training batch: during the last epoch's validation, and in its epoch-end callbacks. Before,
+    # fit() returned normally and the script went on (exit 0).
+    ("SIGTERM", 143, "SIGTERM", "last_validation", 16),
+    ("SIGINT", 130, "Ctrl-C (SIGINT)", "last_epoch_end", 16),
+    pytest.param("SIGINT", 130, "Ctrl-C (SIGINT)", "last_validation", 16, marks=pytest.mark.slow),
+    pytest.param("SIGTERM", 143, "SIGTERM", "last_epoch_end", 16, marks=pytest.mark.slow)])
+def test_a_signal_stops_a_users_script_like_the_cli(tmp_path, name, code, what, where, step):
+    """Exit 128 + the signal with one line on stderr, wherever in fit() it lands; the step checkpointed, and the
+    rerun resumes from it."""
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     script = os.path.join(HERE, "scripts", "stop_by_signal.py")
-    result = subprocess.run([sys.executable, script, str(tmp_path), name], env=environment, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, script, str(tmp_path), name, where]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
     assert result.returncode == code, result.stderr[-2000:]
     assert "Traceback" not in result.stderr  # TensorFlow's own start-up lines aside, tfmp's one line:
     assert [line for line in result.stderr.splitlines() if line.startswith("tfmp")] == [
-        f"tfmp: error: {what} at step 4: checkpoint saved; rerun the same command to resume"]
-    assert "not reached" not in result.stdout and _checkpoint_steps(tmp_path) == [4]
+        f"tfmp: warning: stopped by {what} at step {step}: checkpoint saved; rerun the same command to resume"]
+    assert "not reached" not in result.stdout and _checkpoint_steps(tmp_path)[-1] == step
+    assert callbacks.Checkpointing(str(tmp_path / "checkpoints")).saved_progress() == (step // 8, step)
+    if where != "step":  # the rerun finds the run finished: restores, trains nothing, and the script goes on
+        rerun = subprocess.run([*command[:4], "none"], env=environment, capture_output=True, text=True, timeout=300)
+        assert rerun.returncode == 0 and "not reached" in rerun.stdout, rerun.stderr[-2000:]
+        assert _checkpoint_steps(tmp_path)[-1] == step

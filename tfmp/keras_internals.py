@@ -10,8 +10,16 @@ hook — who uses it — why there is no public way:
   any depth, Functional or subclassed.
 * `BatchNormalization._moments` — tfmp's `BatchNormalization` under recomputation — Keras' own
   (masked, synchronized) batch statistics.
-* `Optimizer._get_variable_index` — `tfmp.optimizers.LARS` — where a variable's slots are, as
+* `Optimizer._get_variable_index` — `tfmp.optimizers.LARS`, `tfmp.sharding` — where a variable's slots are, as
   Keras' own optimizers find them.
+* `Optimizer._use_weight_decay` — `tfmp.sharding` — Keras' own weight-decay exclusions (lists and pattern) for
+  a variable, so the sharded update decays exactly what the unsharded one does.
+* `Adam._momentums`, `Adam._velocities` (AdamW's too; SGD's are public `momentums`) — `tfmp.sharding` — the slot
+  variables of a variable, to move an optimizer's state into shards and back.
+* `keras.src.tree.register_tree_node_class` — `tfmp.callbacks.RunCallbacks` — `fit(callbacks=...)` flattens its
+  argument with `keras.tree`, to which a list subclass is one leaf; Keras 3 exports no way to register one.
+* `vars(model)` (`model_attributes`) — `tfmp.callbacks.model_state` — the optimizers a model holds as attributes;
+  public Python, fenced because it relies on Keras keeping a model's tracked attributes in its instance dict.
 * `LossScaleOptimizer._tf_apply`, `_stateful_handle_finite_grads`, `_stateful_handle_non_finite_grads`,
   `_overwrite_variable_with_gradient`, `_trainable_variables` — `LossScaleOptimizerHooks`, the base
   of `tfmp.precision.LossScaleOptimizer` — floor, hysteresis, skip count and the all-replica overflow
@@ -32,6 +40,10 @@ hook — who uses it — why there is no public way:
   `cross_device_utils`) — `tfmp.sharding`'s NCCL reduce-scatter — tf.distribute offers all-reduce
   and all-gather in public but no reduce-scatter; TF's `CollectiveReduceScatterV2` op is run with the
   strategy's own group, instance keys and ordering token, as its launchers run all-reduce.
+
+Public enough to stay outside: checkpoint keys such as `epoch/.ATTRIBUTES/VARIABLE_VALUE`
+(`tfmp/callbacks/checkpoint_files.py`): the format `tf.train.Checkpoint` writes and TensorFlow's "Training
+checkpoints" guide shows and reads by name (`tf.train.list_variables`).
 
 `CHECKED_KERAS_VERSIONS` names the Keras releases these were read and tested against
 (tests/test_keras_internals.py fails if a hook disappears, and its AST scan fails if any other
@@ -64,37 +76,79 @@ def warn_if_unchecked() -> bool:
     return False
 
 
-def missing_hooks() -> list[str]:
-    """Private names tfmp relies on that the installed Keras / TensorFlow lacks (empty when all are there)."""
+def _hooks() -> list[tuple[str, object, str]]:
+    """Every private name this module touches: (where it is looked up, the object that must have it, the name).
+    `missing_hooks` checks each; tests/test_keras_internals.py fails when this module uses a private name not listed."""
     import tensorflow as tf
 
-    missing = [f"LossScaleOptimizer.{name}" for name in LOSS_SCALE_HOOKS if not hasattr(keras.optimizers.LossScaleOptimizer, name)]
+    from keras.src import tree as keras_tree
+
     trainer = tensorflow_trainer()
-    missing += [f"trainer.{name}" for name in ("reduce_per_replica", "_collective_all_reduce_multi_worker") if not hasattr(trainer, name)]
-    if not hasattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build"):
-        missing.append("TensorFlowTrainer._maybe_symbolic_build")
-    if not hasattr(keras.layers.Layer, "_flatten_layers"):
-        missing.append("Layer._flatten_layers")
-    if not hasattr(keras.layers.BatchNormalization, "_moments"):
-        missing.append("BatchNormalization._moments")
-    if not hasattr(keras.optimizers.Optimizer, "_get_variable_index"):
-        missing.append("Optimizer._get_variable_index")
-    if not hasattr(trainer.TensorFlowTrainer, "_symbolic_build"):
-        missing.append("TensorFlowTrainer._symbolic_build")
-    if not hasattr(tf.__internal__.distribute, "strategy_supports_no_merge_call"):
-        missing.append("tf.__internal__.distribute.strategy_supports_no_merge_call")
-    if not hasattr(tf.__internal__.distribute.interim, "maybe_merge_call"):
-        missing.append("tf.__internal__.distribute.interim.maybe_merge_call")
-    if not isinstance(getattr(tf.distribute.MirroredStrategy, "_collective_key_base", None), int):
-        missing.append("MirroredStrategy._collective_key_base")
-    else:
+    # Slot lists and the built variables exist on a built optimizer only (Keras 3.15 sets them in build()).
+    variables = [keras.Variable([1.0])]
+    adam, scaled = keras.optimizers.Adam(), keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    adam.build(variables)
+    scaled.build(variables)
+    hooks = [("Model (an instance)", keras.Sequential(), "_initial_epoch"),
+             ("LossScaleOptimizer (built)", scaled, "_trainable_variables"),
+             ("Adam (built)", adam, "_momentums"), ("Adam (built)", adam, "_velocities"),
+             *(("LossScaleOptimizer", keras.optimizers.LossScaleOptimizer, name) for name in LOSS_SCALE_HOOKS),
+             ("trainer", trainer, "reduce_per_replica"), ("trainer", trainer, "_collective_all_reduce_multi_worker"),
+             ("TensorFlowTrainer", trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
+             ("TensorFlowTrainer", trainer.TensorFlowTrainer, "_symbolic_build"),
+             ("Layer", keras.layers.Layer, "_flatten_layers"),
+             ("BatchNormalization", keras.layers.BatchNormalization, "_moments"),
+             ("Optimizer", keras.optimizers.Optimizer, "_get_variable_index"),
+             ("Optimizer", keras.optimizers.Optimizer, "_use_weight_decay"),
+             ("keras.src.tree", keras_tree, "register_tree_node_class"),
+             ("tf", tf, "__internal__"),
+             ("tf.__internal__.distribute", tf.__internal__.distribute, "strategy_supports_no_merge_call"),
+             ("tf.__internal__.distribute", tf.__internal__.distribute, "interim"),
+             ("tf.__internal__.distribute.interim", tf.__internal__.distribute.interim, "maybe_merge_call"),
+             ("MirroredStrategy", tf.distribute.MirroredStrategy, "_collective_key_base")]
+    if isinstance(getattr(tf.distribute.MirroredStrategy, "_collective_key_base", None), int):
         fresh_collective_keys()  # this throwaway strategy's keys collide with no other's
-    launchers = collective_launchers(tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")[:1]))
-    if launchers is None:
-        missing.append("CollectiveAllReduce._launchers")
-    else:
-        missing += [f"CollectiveReplicaLauncher.{name}" for name in _LAUNCHER_HOOKS if not hasattr(launchers[0][0], name)]
-    return missing
+    extended = tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")[:1]).extended
+    hooks.append(("MirroredExtended", extended, "_collective_ops"))
+    collective_ops = getattr(extended, "_collective_ops", None)
+    hooks += [("CollectiveAllReduce", collective_ops, "_launchers"), ("CollectiveAllReduce", collective_ops, "_options")]
+    launchers = collective_launchers_of(collective_ops)
+    if launchers:
+        hooks += [("CollectiveReplicaLauncher", launchers[0], name) for name in _LAUNCHER_HOOKS]
+    return hooks
+
+
+# Looked up on objects only a running multi-worker job builds; `collective_launchers` tries both names.
+UNCHECKABLE_HERE = ("_cross_device_ops",)
+
+
+def missing_hooks() -> list[str]:
+    """Private names tfmp relies on that the installed Keras / TensorFlow lacks (empty when all are there)."""
+    return [f"{where}.{name}" for where, owner, name in _hooks() if owner is None or not hasattr(owner, name)]
+
+
+def hook_names() -> set[str]:
+    """The private names `missing_hooks` checks, and those it cannot check here (`UNCHECKABLE_HERE`)."""
+    return {name for _, _, name in _hooks()} | set(UNCHECKABLE_HERE)
+
+
+def register_tree_node(cls, flatten, unflatten) -> None:
+    """Makes Keras' nested-structure utilities (`keras.tree`, which `fit(callbacks=...)` flattens with) see into
+    `cls`: `flatten(instance)` gives its children, `unflatten(children)` rebuilds one. Keras 3 exports no register
+    function; a list subclass is otherwise one leaf to it."""
+    from keras.src import tree as keras_tree
+
+    cls.tree_flatten = lambda self: (flatten(self), None, None)  # optree's protocol: children, metadata, entries
+    cls.tree_unflatten = classmethod(lambda cls_, metadata, children: unflatten(children))
+    try:
+        keras_tree.register_tree_node_class(cls)
+    except ValueError:
+        pass  # registered already (the module imported twice)
+
+
+def model_attributes(model: keras.Model) -> dict:
+    """The attributes a model (a user's subclass) holds, by name: Keras keeps them in the instance dict."""
+    return dict(vars(model))
 
 
 def set_initial_epoch(model: keras.Model, epoch: int) -> None:
@@ -181,10 +235,16 @@ def collective_launchers(strategy):
     extended = strategy.extended
     for attribute in ("_collective_ops", "_cross_device_ops"):  # MirroredStrategy's, MultiWorkerMirroredStrategy's
         collective_ops = getattr(extended, attribute, None)
-        launchers = getattr(collective_ops, "_launchers", None)
+        launchers = collective_launchers_of(collective_ops)
         if launchers:
-            return list(launchers), collective_ops._options.implementation.name
+            return launchers, collective_ops._options.implementation.name
     return None
+
+
+def collective_launchers_of(collective_ops) -> list | None:
+    """The per-replica launchers of a strategy's collective ops object, or None."""
+    launchers = getattr(collective_ops, "_launchers", None)
+    return list(launchers) if launchers else None
 
 
 COLLECTIVE_KEY_STRIDE = 100_000  # group keys per strategy, as TensorFlow's strategy_combinations spaces them

@@ -2,6 +2,7 @@
 Sequential, subclassed, with its own `train_step` and optimizers), one room per job:
 
     run_lock.py          `RunLock`: one run per workdir (`tfmp.workdir_lock`) for the length of `fit()`
+    interfaces.py        what one callback may ask of another, and the order they run in
     step_counter.py      `StepCounter`: steps taken across resumptions
     checkpoint_files.py  which checkpoint files exist and read completely (no Keras)
     checkpointing.py     `Checkpointing`: save cadence, what a checkpoint holds, restore
@@ -17,13 +18,13 @@ settings are named as `tfmp.config.Config`'s fields (and so as the CLI's flags).
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
-
 import keras
 
+from tfmp import keras_internals
 from tfmp.callbacks.checkpoint_files import find_checkpoints
-from tfmp.callbacks.checkpointing import Checkpointing
+from tfmp.callbacks.checkpointing import Checkpointing, RepeatedFit
 from tfmp.callbacks.guards import NaNGuard, ReplicaConsistencyCheck, ReplicaDivergenceError
+from tfmp.callbacks.interfaces import CallbackOrderError, check_order
 from tfmp.callbacks.model_state import logged_losses, owned_optimizers
 from tfmp.callbacks.preemption import Preempted, PreemptionCheckpoint
 from tfmp.callbacks.run_lock import RunLock
@@ -32,23 +33,29 @@ from tfmp.callbacks.telemetry import HistoryCSV, LossScaleMonitor, Throughput
 from tfmp.run_directory import RunDirectory, as_run_directory, logged_history
 
 
-class RunCallbacks(NamedTuple):
-    """tfmp's callbacks for one `fit()`, by job. Pass it to `fit(callbacks=...)` as it is, or inside a
-    list (Keras flattens tuples); `as_list()` gives them flat, in the order they run."""
+class RunCallbacks(list):
+    """tfmp's callbacks for one `fit()`, flat and in the order they must run: a list (`+`, `extend`,
+    iteration, `len`; `fit(callbacks=...)` takes it as it is) whose parts are also named by job
+    (`.checkpointing`, `.guard`, ...). Built in an order their classes' declared constraints accept
+    (`tfmp.callbacks.interfaces.check_order`)."""
 
-    lock: RunLock
-    step_counter: StepCounter
-    guard: NaNGuard
-    replica_check: ReplicaConsistencyCheck
-    checkpointing: Checkpointing
-    preemption: PreemptionCheckpoint
-    loss_scale: LossScaleMonitor
-    monitors: tuple  # callbacks whose values go into the logs, before the loggers write them
-    history: HistoryCSV
-    tensorboard: keras.callbacks.TensorBoard
+    def __init__(self, *, lock: RunLock, step_counter: StepCounter, guard: NaNGuard, replica_check: ReplicaConsistencyCheck,
+                 checkpointing: Checkpointing, preemption: PreemptionCheckpoint, loss_scale: LossScaleMonitor, monitors=(),
+                 history: HistoryCSV, tensorboard: keras.callbacks.TensorBoard):
+        self.lock, self.step_counter, self.guard, self.replica_check = lock, step_counter, guard, replica_check
+        self.checkpointing, self.preemption, self.loss_scale = checkpointing, preemption, loss_scale
+        self.monitors = tuple(monitors)  # callbacks whose values go into the logs, before the loggers write them
+        self.history, self.tensorboard = history, tensorboard
+        super().__init__([lock, step_counter, guard, replica_check, checkpointing, preemption, loss_scale, *self.monitors, history,
+                          tensorboard])
+        check_order(self)
 
     def as_list(self) -> list[keras.callbacks.Callback]:
-        return [*self[:7], *self.monitors, self.history, self.tensorboard]
+        """The callbacks as a plain list (kept from when `RunCallbacks` was a tuple of parts)."""
+        return list(self)
+
+
+keras_internals.register_tree_node(RunCallbacks, lambda callbacks: list(callbacks), lambda children: list(children))
 
 
 def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3, checkpoint_every_steps: int = 0,
@@ -75,10 +82,10 @@ def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3,
         lock=RunLock(None if run.is_scratch else run.path),
         step_counter=counter,
         guard=NaNGuard(checkpointing, nan_retries=nan_retries, max_skipped_steps=max_skipped_steps,
-                       loss_explosion_factor=loss_explosion_factor),
+                       loss_explosion_factor=loss_explosion_factor, counter=counter),
         replica_check=ReplicaConsistencyCheck(replica_check_every_steps=replica_check_every_steps, counter=counter),
         checkpointing=checkpointing,
-        preemption=PreemptionCheckpoint(checkpointing),
+        preemption=PreemptionCheckpoint(checkpointing, counter=counter),
         loss_scale=LossScaleMonitor(),
         monitors=tuple(monitors),
         history=HistoryCSV(run.history_to_write, validation=validation),
@@ -86,6 +93,6 @@ def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3,
     )
 
 
-__all__ = ["Checkpointing", "HistoryCSV", "LossScaleMonitor", "NaNGuard", "Preempted", "PreemptionCheckpoint", "ReplicaConsistencyCheck",
+__all__ = ["CallbackOrderError", "Checkpointing", "check_order", "HistoryCSV", "LossScaleMonitor", "NaNGuard", "Preempted", "PreemptionCheckpoint", "RepeatedFit", "ReplicaConsistencyCheck",
            "ReplicaDivergenceError", "RunCallbacks", "RunLock", "StepCounter", "Throughput", "default_callbacks", "find_checkpoints",
            "logged_history", "logged_losses", "owned_optimizers"]

@@ -12,25 +12,24 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Protocol
-
 import keras
 import tensorflow as tf
 
 from tfmp import keras_internals
 from tfmp.callbacks import checkpoint_files
 from tfmp.callbacks.model_state import owned_optimizers
+from tfmp.callbacks.interfaces import SaveGate, StepCount
 from tfmp.callbacks.step_counter import StepCounter
 from tfmp.config import UsageError
 
 logger = logging.getLogger(__name__)
 
+# Checkpoint directory -> epochs completed by the last fit() that trained there in this process.
+_TRAINED_IN_THIS_PROCESS: dict[str, int] = {}
 
-class SaveGate(Protocol):
-    """Whoever decides that a state must not be saved (`tfmp.callbacks.NaNGuard`)."""
 
-    def save_veto(self, logs: dict | None) -> str | None:
-        """Why the current state must not be saved (e.g. "non-finite weights"), or None when it may be."""
+class RepeatedFit(UsageError):
+    """A second `fit()` in one process on a workdir its first one already trained to `epochs`: it would train nothing."""
 
 
 class Checkpointing(keras.callbacks.Callback):
@@ -63,8 +62,10 @@ class Checkpointing(keras.callbacks.Callback):
         counter: the run's `StepCounter` (one is made and driven here when not given).
     """
 
+    runs_after = (StepCounter,)
+
     def __init__(self, directory: str, keep_checkpoints: int = 3, checkpoint_every_steps: int = 0,
-                 checkpoint_every_seconds: float = 0.0, save_directory: str | None = None, counter: StepCounter | None = None):
+                 checkpoint_every_seconds: float = 0.0, save_directory: str | None = None, counter: StepCount | None = None):
         super().__init__()
         self.directory = directory
         self.save_directory = save_directory or directory
@@ -73,11 +74,13 @@ class Checkpointing(keras.callbacks.Callback):
         self.checkpoint_every_seconds = checkpoint_every_seconds
         self.save_gate: SaveGate | None = None
         self._owns_counter = counter is None
-        self.counter = counter or StepCounter()
+        self.counter: StepCount = counter or StepCounter()
         self.restored_epoch = 0
         self.restored_step = 0
         self.restored_path: str | None = None
         self._last_save = time.monotonic()
+        self._last_saved: tuple[int, int] | None = None  # (step, epochs completed) of this process's newest save
+        self._step_at_begin = 0  # the step this fit() started from
         self._unsaved_epochs: int | None = None  # epochs completed at the newest epoch end not saved
         self._every_epoch_end = not checkpoint_every_seconds
         self._saved_epoch_end = False  # in this fit()
@@ -95,11 +98,6 @@ class Checkpointing(keras.callbacks.Callback):
     @property
     def step(self) -> int:
         return self.counter.step
-
-    def set_model(self, model):
-        super().set_model(model)
-        if self._owns_counter:
-            self.counter.set_model(model)
 
     def _checkpoint_state(self) -> tf.train.Checkpoint:
         if self._checkpoint_state_object is None:
@@ -142,10 +140,18 @@ class Checkpointing(keras.callbacks.Callback):
             self._load(path)
         return path is not None
 
-    def _load(self, path: str) -> int:
+    def _load(self, path: str, build_compiled_optimizer: bool = False) -> int:
         # Objects that exist are filled now; optimizer variables not created yet are filled by
         # tf.train when Keras creates them (the model itself is built: see on_train_begin).
-        self._checkpoint_state_object.restore(path).assert_existing_objects_matched()
+        status = self._checkpoint_state_object.restore(path)
+        optimizer = getattr(self.model, "optimizer", None)
+        if build_compiled_optimizer and optimizer is not None and not optimizer.built and optimizer.iterations.numpy() > 0:
+            # The compiled optimizer stepped before the save (its step count is restored now): built here, its
+            # slots are filled at creation, rather than through a deferred restoration that a rerun with nothing
+            # to train would leave unfilled. One that never stepped (keras-io's DCGAN and SimCLR compile() without
+            # one and step their own) was saved unbuilt and stays so: its slots are in no checkpoint.
+            optimizer.build(self.model.trainable_variables)
+        status.assert_existing_objects_matched()
         self.restored_path = path
         self.restored_epoch = int(self._epoch.numpy())
         self.restored_step = int(self._step.numpy())
@@ -168,6 +174,7 @@ class Checkpointing(keras.callbacks.Callback):
         self._step.assign(self.step)
         manager.save(checkpoint_number=self.step)
         self._last_save = time.monotonic()
+        self._last_saved = (self.step, completed_epochs)
         if not self._build_config_written and self.model.get_build_config():
             checkpoint_files.write_build_config(self.save_directory, self.model.get_build_config())
             checkpoint_files.write_replicas(self.save_directory, self.model.distribute_strategy.num_replicas_in_sync)
@@ -181,8 +188,11 @@ class Checkpointing(keras.callbacks.Callback):
         return self._current_epoch + (1 if steps and self.counter.steps_into_epoch >= steps else 0)
 
     def save_now(self, logs=None) -> bool:
-        """Saves the current step (mid-epoch); returns whether it was saved (not vetoed)."""
-        return self._save(self._epochs_completed_now(), logs)
+        """Saves the current step (mid-epoch, or again after its epoch end); returns whether it is saved (not vetoed)."""
+        completed = self._epochs_completed_now()
+        if self._last_saved == (self.step, completed):
+            return True  # saved already (the epoch end's own checkpoint), and nothing has trained since
+        return self._save(completed, logs)
 
     def on_train_begin(self, logs=None):
         self._checkpoint_state()
@@ -201,6 +211,8 @@ class Checkpointing(keras.callbacks.Callback):
                 keras_internals.set_initial_epoch(self.model, int(self._epoch.numpy()))
             return
         path = self._choose(at_start=True)
+        self._refuse_a_repeated_fit(path)
+        self._step_at_begin = checkpoint_files.progress(path)[1] if path else 0
         if path and not self.model.built:
             # A model built lazily (a Sequential without Input, a subclassed model) has no variables yet:
             # built here from the input shape its earlier run kept (Keras' own build config).
@@ -210,12 +222,7 @@ class Checkpointing(keras.callbacks.Callback):
         if path is None:
             epoch = 0
         elif self.model.built or self.model.weights:
-            optimizer = getattr(self.model, "optimizer", None)
-            if optimizer is not None and not optimizer.built:
-                # Built first, so the restore fills its slots now rather than through tf.train's deferred
-                # restoration, which left a rerun with nothing to train warning about every slot it never filled.
-                optimizer.build(self.model.trainable_variables)
-            epoch = self._load(path)
+            epoch = self._load(path, build_compiled_optimizer=True)
         else:
             # No build config (checkpoints of an older tfmp): the variables appear while Keras traces the
             # first step, and tf.train's deferred restoration then gives a subclassed model's layers a
@@ -226,9 +233,25 @@ class Checkpointing(keras.callbacks.Callback):
         if epoch:
             keras_internals.set_initial_epoch(self.model, epoch)
 
+    def _refuse_a_repeated_fit(self, path: str | None) -> None:
+        """Raises `RepeatedFit` when this process already trained this workdir to the `epochs` of the fit starting now.
+
+        `epochs` is the run's total, as with Keras' `BackupAndRestore`: a rerun resumes and a finished run trains
+        nothing. Within one process, a second `fit(epochs=1)` after a first one (keras-io's distributed-training
+        guide does this) is meant to train one more epoch, as plain Keras would; tfmp says so instead of silently
+        training nothing. A new process (the rerun of a stopped script) is never refused: it resumes."""
+        epochs = (self.params or {}).get("epochs")
+        trained_to = _TRAINED_IN_THIS_PROCESS.get(os.path.realpath(self.directory))
+        if path is None or trained_to is None or not epochs or checkpoint_files.progress(path)[0] < epochs:
+            return
+        raise RepeatedFit(f"fit(epochs={epochs}) on {os.path.dirname(os.path.abspath(self.directory))} would train nothing: "
+                          f"this process already trained it to epoch {trained_to}, and with tfmp's checkpoints `epochs` is "
+                          f"the run's total (a rerun resumes); pass epochs={trained_to + epochs} to train {epochs} more, or "
+                          "use another workdir")
+
     def _read_progress(self, path: str) -> int:
-        epoch, self.counter.step = checkpoint_files.progress(path)
-        self.counter.previous_step = self.counter.step
+        epoch, step = checkpoint_files.progress(path)
+        self.counter.start_at(step)
         return epoch
 
     def continue_in_memory(self) -> None:
@@ -269,3 +292,5 @@ class Checkpointing(keras.callbacks.Callback):
         if self._unsaved_epochs is not None:
             self._save(self._unsaved_epochs, logs)
             self._unsaved_epochs = None
+        if self._last_saved is not None and self._last_saved[0] > self._step_at_begin:
+            _TRAINED_IN_THIS_PROCESS[os.path.realpath(self.directory)] = self._last_saved[1]

@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 
 from tfmp import distribute, precision
-from tfmp.callbacks.checkpointing import Checkpointing
+from tfmp.callbacks.interfaces import RestorePoint, StepCount
 from tfmp.callbacks.model_state import first_non_finite, learning_rate, logged_losses, optimizer_steps, owned_optimizers
 from tfmp.callbacks.step_counter import StepCounter
 
@@ -31,20 +31,24 @@ class NaNGuard(keras.callbacks.Callback):
 
     It is also the checkpoints' save gate (`save_veto`): a state whose losses, weights or
     optimizer slots are not finite, or any state once training has failed, is never saved, so
-    the newest checkpoint is always the last good one. Its place in the callback list does not matter.
+    the newest checkpoint is always the last good one. It runs after the step counter it reads.
 
     Args:
-        checkpointing: the run's `Checkpointing`: what the guard restores, and gates.
+        checkpointing: the run's checkpoints (`tfmp.callbacks.Checkpointing`): what the guard restores, and gates.
+        counter: the run's `StepCounter` (one is made and driven here when not given).
         nan_retries: restores before giving up.
         max_skipped_steps: fp16 steps skipped in a row that count as a failure once the loss scale is at its floor.
         loss_explosion_factor: loss / its best epoch value that counts as divergence (0: off).
     """
 
-    def __init__(self, checkpointing: Checkpointing, nan_retries: int = 2, max_skipped_steps: int = 20,
-                 loss_explosion_factor: float = 1000.0):
+    runs_after = (StepCounter,)
+
+    def __init__(self, checkpointing: RestorePoint, nan_retries: int = 2, max_skipped_steps: int = 20,
+                 loss_explosion_factor: float = 1000.0, counter: StepCount | None = None):
         super().__init__()
         self.checkpointing = checkpointing
-        self.counter = checkpointing.counter
+        self._owns_counter = counter is None
+        self.counter: StepCount = counter or StepCounter()
         checkpointing.set_save_gate(self)
         self.nan_retries = nan_retries
         self.max_skipped_steps = max_skipped_steps
@@ -117,7 +121,13 @@ class NaNGuard(keras.callbacks.Callback):
         self._watched = None
         self._skipped = self._total_skipped()
 
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._owns_counter:
+            self.counter.on_epoch_begin(epoch, logs)
+
     def on_train_batch_end(self, batch, logs=None):
+        if self._owns_counter:
+            self.counter.on_train_batch_end(batch, logs)
         losses = logged_losses(logs)
         if not losses and not self._warned_no_loss:
             self._warned_no_loss = True
@@ -229,12 +239,14 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
         counter: the run's `StepCounter` (one is made and driven here when not given).
     """
 
-    def __init__(self, replica_check_every_steps: int = 100, atol: float = 0.0, counter: StepCounter | None = None):
+    runs_after = (StepCounter,)
+
+    def __init__(self, replica_check_every_steps: int = 100, atol: float = 0.0, counter: StepCount | None = None):
         super().__init__()
         self.replica_check_every_steps = replica_check_every_steps
         self.atol = atol
         self._owns_counter = counter is None
-        self.counter = counter or StepCounter()
+        self.counter: StepCount = counter or StepCounter()
         self._active = False
         self._warned = False
 

@@ -13,11 +13,13 @@ import math
 
 import keras
 
+from tfmp import keras_internals
+
 
 def owned_optimizers(model: keras.Model) -> dict[str, keras.optimizers.Optimizer]:
     """Every optimizer the model holds as an attribute, by attribute name (`optimizer` first), each once."""
     found: dict[str, keras.optimizers.Optimizer] = {}
-    candidates = [("optimizer", getattr(model, "optimizer", None)), *sorted(vars(model).items())]
+    candidates = [("optimizer", getattr(model, "optimizer", None)), *sorted(keras_internals.model_attributes(model).items())]
     for name, value in candidates:
         if isinstance(value, keras.optimizers.Optimizer) and all(value is not seen for seen in found.values()):
             found[name] = value

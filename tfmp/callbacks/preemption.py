@@ -9,6 +9,8 @@ import threading
 import keras
 
 from tfmp.callbacks.checkpointing import Checkpointing
+from tfmp.callbacks.interfaces import SavesNow, StepCount
+from tfmp.callbacks.step_counter import StepCounter
 
 logger = logging.getLogger(__name__)
 
@@ -35,23 +37,32 @@ class Preempted(SystemExit):
 
 class PreemptionCheckpoint(keras.callbacks.Callback):
     """On SIGTERM (the preemption notice of TPU VMs, spot GPUs, Kubernetes) or Ctrl-C, saves a
-    checkpoint of the current step at the next step end and stops with `Preempted`.
+    checkpoint of the current step and stops with `Preempted`, wherever in `fit()` the signal lands.
 
-    The handler only sets a flag, so the step in flight finishes cleanly; rerunning the same
-    command resumes from that checkpoint. A second Ctrl-C before that step ends interrupts at
-    once (Python's own KeyboardInterrupt), for a step that never ends. Ctrl-C is left alone
-    where the process was told to ignore it (`nohup`, `SIG_IGN`). Installed for the duration
-    of `fit()` when `fit()` runs in the main thread (Python delivers signals only there;
-    elsewhere it says so once), the previous handlers restored afterwards. Single-process runs
-    only: multi-worker runs need every worker to save at the same step, which is what TF's
+    The handler only sets a flag, so the step in flight finishes cleanly; the stop comes at the
+    next training batch end, validation batch end, epoch end, or at the end of `fit()` (a signal
+    during the last epoch's validation or epoch-end callbacks still stops the process, as it would
+    without tfmp). Rerunning the same command resumes from that checkpoint. A second Ctrl-C
+    before then interrupts at once (Python's own KeyboardInterrupt), for a step that never ends.
+    Ctrl-C is left alone where the process was told to ignore it (`nohup`, `SIG_IGN`). Installed
+    for the duration of `fit()` when `fit()` runs in the main thread (Python delivers signals only
+    there; elsewhere it says so once), the previous handlers restored afterwards. Single-process
+    runs only: multi-worker runs need every worker to save at the same step, which is what TF's
     `PreemptionCheckpointHandler` coordinates (not wired in yet).
+
+    Args:
+        checkpointing: what saves the current step (`tfmp.callbacks.Checkpointing`).
+        counter: the run's `StepCounter` (one is made and driven here when not given).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    runs_after = (StepCounter, Checkpointing)  # an epoch end's own checkpoint is taken before a stop there
 
-    def __init__(self, checkpointing: Checkpointing):
+    def __init__(self, checkpointing: SavesNow, counter: StepCount | None = None):
         super().__init__()
         self.checkpointing = checkpointing
+        self._owns_counter = counter is None
+        self.counter: StepCount = counter or StepCounter()
         self.requested: int | None = None  # the signal received, if any
         self._previous: dict = {}
 
@@ -76,17 +87,33 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             if signal.getsignal(number) is not signal.SIG_IGN:
                 self._previous[number] = signal.signal(number, self._request)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def _stop_if_requested(self, logs) -> None:
         if self.requested is None:
             return
         self._uninstall()
         saved = self.checkpointing.save_now(logs)
         name = "SIGTERM" if self.requested == signal.SIGTERM else "Ctrl-C (SIGINT)"
-        stopped = Preempted(f"{name} at step {self.checkpointing.step}: "
+        stopped = Preempted(f"stopped by {name} at step {self.counter.step}: "
                             + ("checkpoint saved" if saved else "state not saved, last good checkpoint kept")
                             + "; rerun the same command to resume", self.requested)
-        logger.error("%s: %s", "preempted" if self.requested == signal.SIGTERM else "interrupted", stopped)
+        logger.warning("%s", stopped)
         raise stopped
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._owns_counter:
+            self.counter.on_epoch_begin(epoch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._owns_counter:
+            self.counter.on_train_batch_end(batch, logs)
+        self._stop_if_requested(logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._stop_if_requested(None)  # validation inside fit(): the training state is the epoch's last step
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._stop_if_requested(logs)
 
     def on_train_end(self, logs=None):
         self._uninstall()
+        self._stop_if_requested(logs)

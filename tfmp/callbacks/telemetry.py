@@ -50,45 +50,6 @@ class Throughput(keras.callbacks.Callback):
         return self.global_batch_size * sum(self.epoch_steps[first:]) / seconds if seconds > 0 else None
 
 
-class LossScaleMonitor(keras.callbacks.Callback):
-    """Adds `loss_scale` and `skipped_steps` to the epoch logs (TensorBoard and history.csv show them).
-
-    Reports the loss-scaling optimizers the model actually stepped this epoch — not the one
-    `compile()` made when a custom `train_step` uses optimizers of its own. With one such
-    optimizer the keys are `loss_scale` / `skipped_steps`; with several, `<name>_loss_scale` /
-    `<name>_skipped_steps` each. Under mixed_float16 with no loss-scaling optimizer at all it
-    says so once at train begin: fp16 gradients then underflow silently.
-    """
-
-    def on_train_begin(self, logs=None):
-        self._optimizers = owned_optimizers(self.model)
-        self._activity = {name: _activity(optimizer) for name, optimizer in self._optimizers.items()}
-        scaling = [name for name, optimizer in self._optimizers.items() if precision.current_loss_scale(optimizer) is not None]
-        if precision.global_policy_name() == precision.MIXED_FLOAT16 and not scaling:
-            logger.warning("LossScaleMonitor: mixed_float16, but none of %s's optimizers (%s) scales the loss; wrap them with "
-                           "tfmp.precision.wrap_optimizer or fp16 gradients may underflow to zero", self.model.name,
-                           ", ".join(self._optimizers) or "none")
-
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is None:
-            return
-        stepped = {}
-        for name, optimizer in self._optimizers.items():
-            activity = _activity(optimizer)
-            if activity != self._activity[name] and precision.current_loss_scale(optimizer) is not None:
-                stepped[name] = optimizer
-            self._activity[name] = activity
-        for name, optimizer in stepped.items():
-            prefix = "" if len(stepped) == 1 else f"{name}_"
-            logs[f"{prefix}loss_scale"] = precision.current_loss_scale(optimizer)
-            logs[f"{prefix}skipped_steps"] = precision.skipped_steps(optimizer)
-
-
-def _activity(optimizer) -> tuple[int, int]:
-    """(updates applied, steps skipped): a loss-scaling optimizer that skipped every step still stepped."""
-    return optimizer_steps(optimizer), precision.skipped_steps(optimizer) or 0
-
-
 class HistoryCSV(keras.callbacks.Callback):
     """Appends one row per epoch to `history.csv`: the columns the task really logs.
 
@@ -137,6 +98,47 @@ class HistoryCSV(keras.callbacks.Callback):
             if not exists:
                 writer.writerow(["epoch", *columns])
             writer.writerow([epoch, *(_csv_value(logs.get(key)) for key in columns)])
+
+
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Adds `loss_scale` and `skipped_steps` to the epoch logs (TensorBoard and history.csv show them).
+
+    Reports the loss-scaling optimizers the model actually stepped this epoch — not the one
+    `compile()` made when a custom `train_step` uses optimizers of its own. With one such
+    optimizer the keys are `loss_scale` / `skipped_steps`; with several, `<name>_loss_scale` /
+    `<name>_skipped_steps` each. Under mixed_float16 with no loss-scaling optimizer at all it
+    says so once at train begin: fp16 gradients then underflow silently.
+    """
+
+    runs_before = (HistoryCSV, keras.callbacks.TensorBoard)  # they write the logs it adds to
+
+    def on_train_begin(self, logs=None):
+        self._optimizers = owned_optimizers(self.model)
+        self._activity = {name: _activity(optimizer) for name, optimizer in self._optimizers.items()}
+        scaling = [name for name, optimizer in self._optimizers.items() if precision.current_loss_scale(optimizer) is not None]
+        if precision.global_policy_name() == precision.MIXED_FLOAT16 and not scaling:
+            logger.warning("LossScaleMonitor: mixed_float16, but none of %s's optimizers (%s) scales the loss; wrap them with "
+                           "tfmp.precision.wrap_optimizer or fp16 gradients may underflow to zero", self.model.name,
+                           ", ".join(self._optimizers) or "none")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        stepped = {}
+        for name, optimizer in self._optimizers.items():
+            activity = _activity(optimizer)
+            if activity != self._activity[name] and precision.current_loss_scale(optimizer) is not None:
+                stepped[name] = optimizer
+            self._activity[name] = activity
+        for name, optimizer in stepped.items():
+            prefix = "" if len(stepped) == 1 else f"{name}_"
+            logs[f"{prefix}loss_scale"] = precision.current_loss_scale(optimizer)
+            logs[f"{prefix}skipped_steps"] = precision.skipped_steps(optimizer)
+
+
+def _activity(optimizer) -> tuple[int, int]:
+    """(updates applied, steps skipped): a loss-scaling optimizer that skipped every step still stepped."""
+    return optimizer_steps(optimizer), precision.skipped_steps(optimizer) or 0
 
 
 def _csv_value(value) -> str:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import keras
 
+from tfmp.ssl.probes import KNNMonitor
+
 # Fewer unlabeled images than this: below the smallest set measured to pay off (SimCLR on 200 digits images,
 # 1,100 steps: probe +4.4 points over the baseline; smaller sets were not measured).
 MIN_UNLABELED_IMAGES = 200
@@ -65,13 +67,15 @@ class PlateauWatch(keras.callbacks.Callback):
     """Watches the kNN monitor's `knn_accuracy` in the epoch logs for a plateau.
 
     Plateau: over the last `measurements` kNN measurements the best accuracy rose by less than
-    `min_gain`, while at least `remaining_share` of the epochs are still to run. Goes after the
-    kNN monitor in the callback list (it reads the value the monitor wrote).
+    `min_gain`, while at least `remaining_share` of the epochs are still to run. Runs after the
+    kNN monitor (it reads the value the monitor wrote; `runs_after`, checked by `tfmp.callbacks.interfaces`).
 
     Attributes:
         plateau: None, or `{"epoch", "knn_accuracy", "epochs", "gain"}` where the plateau was seen.
         curve: `(epoch, knn_accuracy)` of every measurement this fit made.
     """
+
+    runs_after = (KNNMonitor,)
 
     def __init__(self, *, stop: bool = False, min_gain: float = PLATEAU_MIN_GAIN,
                  measurements: int = PLATEAU_MEASUREMENTS, remaining_share: float = PLATEAU_REMAINING_SHARE):

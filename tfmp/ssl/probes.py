@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmp.callbacks.telemetry import HistoryCSV
 from tfmp.data.pipeline import in_memory_options
 
 
@@ -124,6 +125,8 @@ class KNNMonitor(keras.callbacks.Callback):
         jit_compile: compile the feature extraction with XLA.
     """
 
+    runs_before = (HistoryCSV, keras.callbacks.TensorBoard)  # they write the logs it adds to
+
     def __init__(self, encoder, bank, queries, num_classes: int, every_epochs: int = 10, k: int = 20, jit_compile: bool = False):
         super().__init__()
         self.jit_compile = jit_compile
@@ -136,8 +139,8 @@ class KNNMonitor(keras.callbacks.Callback):
         self._measured_in_this_fit = False
 
     def on_epoch_end(self, epoch, logs=None):
-        # Also after the first epoch of every fit (a resumed one too): history.csv (HistoryCSV) takes
-        # its columns from the first logs it sees, so it has a kNN column only if that row has it.
+        # Also after the first epoch of every fit (a resumed one too): history.csv (HistoryCSV, which runs after this)
+        # takes its columns from the first logs it sees, so it has a kNN column only if that row has it.
         first, last = not self._measured_in_this_fit, epoch + 1 == self.params.get("epochs")
         self._measured_in_this_fit = True
         if not (first or last) and (epoch + 1) % self.every_epochs:

@@ -164,6 +164,8 @@ def fit_stage(model: keras.Model, dataset: Callable[[], tf.data.Dataset], config
     callbacks = run_callbacks(config, directory, monitors, validation=validation_data is not None)
     throughput = tfmp_callbacks.Throughput(global_batch_size)
     checkpointing = callbacks.checkpointing
+    fit_callbacks = [throughput, *callbacks, *extra_callbacks]
+    tfmp_callbacks.check_order(fit_callbacks)
     resumed = None
     for epochs, steps, first_step in resume_plan(checkpointing.saved_progress(), config.epochs,
                                                  steps_per_epoch or int(dataset().cardinality())):
@@ -171,7 +173,7 @@ def fit_stage(model: keras.Model, dataset: Callable[[], tf.data.Dataset], config
         # resumed fit starts where the checkpoint stopped in it, so it sees the batches the stopped run would have.
         stream = dataset().repeat().skip(first_step)
         history = model.fit(stream, epochs=epochs, steps_per_epoch=steps, validation_data=validation_data,
-                            validation_freq=validate_every, callbacks=[throughput, *callbacks.as_list(), *extra_callbacks],
+                            validation_freq=validate_every, callbacks=fit_callbacks,
                             shuffle=False, verbose=0 if quiet and not config.verbose else verbosity())
         resumed = resumed or (checkpointing.restored_epoch, checkpointing.restored_step)
         if model.stop_training:
