@@ -54,6 +54,22 @@ def test_a_small_folder_with_a_corrupt_image_then_the_corrected_commands(run_cli
     assert (workdir / "metrics.json").exists()
 
 
+def test_a_bad_jpeg_is_refused_in_exactly_one_line(run_cli, tmp_path):
+    """libjpeg printed its own lines ("Improper call to JPEG library in state 201", "Input file read error") on stderr
+    before tfmp's one-line refusal."""
+    folder = _image_folder(tmp_path / "images")
+    good = tf.io.encode_jpeg(np.full((16, 16, 1), 128, np.uint8)).numpy()
+    (folder / "circle" / "cut.jpg").write_bytes(good[: len(good) // 2])
+    (folder / "square" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(40))
+    workdir = tmp_path / "run"
+    result = run_cli("--flagfile=experiments/digits_supervised.cfg", f"--dataset=folder:{folder}", f"--workdir={workdir}",
+                     "--strategy=off", "--global_batch_size=8", "--epochs=1")
+    last = _one_line_error(result, "2 unreadable image file(s)", f"{folder / 'circle' / 'cut.jpg'}: jpeg::Uncompress failed")
+    assert result.stderr.strip().splitlines() == [last]
+    assert "{{function_node" not in last and "[Op:" not in last
+    assert not workdir.exists()
+
+
 def test_batch_larger_than_digits_writes_nothing(run_cli, tmp_path):
     workdir = tmp_path / "run"
     _one_line_error(run_cli(f"--workdir={workdir}", "--global_batch_size=4096", "--strategy=off"),
@@ -66,6 +82,35 @@ def test_a_model_too_large_for_the_images(run_cli, tmp_path):
     _one_line_error(run_cli(f"--workdir={workdir}", "--model=resnet50", "--strategy=off"),
                     "model resnet50 needs images of at least", "set --image_size", "digits has 8x8x1 images")
     assert not workdir.exists()
+
+
+def test_an_image_size_the_model_cannot_take_names_the_resized_shape(run_cli, tmp_path):
+    """It said "(digits has 9x9x1 images)": the data set's images are 8x8; --image_size made them 9x9."""
+    workdir = tmp_path / "run"
+    _one_line_error(run_cli(f"--workdir={workdir}", "--model=vit_micro_p2", "--image_size=9", "--strategy=off"),
+                    "must be a multiple of 2, got 9x9", "(--image_size=9 resizes digits's images to 9x9x1)")
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--seed=99999999999999999999"], "seed must be in [0, 4294967295], got 99999999999999999999"),  # was a traceback
+    (["--seed=4294967296"], "seed must be in [0, 4294967295], got 4294967296"),
+    # Was accepted, recorded in config.json and silently trained as the default warmup (capped at the run's length).
+    (["--warmup_epochs=1e9"], "warmup_epochs 1e+09 exceeds epochs 15: the learning rate would never reach --learning_rate; "
+                              "use at most 15"),
+    (["--warmup_epochs=3.5", "--epochs=3"], "warmup_epochs 3.5 exceeds epochs 3")])
+def test_a_number_the_run_cannot_honour_is_refused_before_anything_runs(run_cli, tmp_path, flags, expected):
+    workdir = tmp_path / "run"
+    _one_line_error(run_cli(f"--workdir={workdir}", *flags), expected)
+    assert not workdir.exists()
+
+
+def test_the_largest_seed_and_a_warmup_of_the_whole_run_are_accepted():
+    from tfmp.config import Config, validate
+
+    assert validate(Config(seed=2 ** 32 - 1, warmup_epochs=15.0, epochs=15)).seed == 2 ** 32 - 1
+    smoke = validate(Config(smoke=True, warmup_epochs=5.0, epochs=15))
+    assert (smoke.epochs, smoke.warmup_epochs) == (2, 2.0)  # --smoke runs 2 epochs: its warmup fits in them
 
 
 def test_an_encoder_file_that_is_not_one(run_cli, tmp_path):

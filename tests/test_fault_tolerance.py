@@ -219,3 +219,78 @@ def test_ctrl_c_is_left_alone_where_the_process_ignores_it(tmp_path):
         preemption.on_train_end()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# ------------------------------------------------------------------ derived files damaged
+
+DAMAGES = {  # history.csv as a crash, a bad disk or a stray edit leaves it
+    "garbage": b"\x00\xff\xfe garbage \x81\n",
+    "truncated": None,  # the file cut in the middle of its last row
+    "header only": None,
+}
+
+
+def _damage_history(path, how):
+    original = open(path, "rb").read()
+    if how == "garbage":
+        damaged = DAMAGES[how]
+    elif how == "truncated":
+        damaged = original[:original.rstrip(b"\n").rfind(b",") - 3]  # the last row loses its last column
+    else:
+        damaged = original.splitlines(keepends=True)[0]
+    open(path, "wb").write(damaged)
+    return original
+
+
+class _StopAfterStep(keras.callbacks.Callback):
+    """Stops the run in-process after `step` (its checkpoint saved), as kill -9 would leave it."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.seen = step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.step:
+            raise KeyboardInterrupt  # not a tfmp stop: no checkpoint of its own, and fit() ends there
+
+
+@pytest.mark.parametrize("how", list(DAMAGES))
+def test_a_damaged_history_csv_is_set_aside_and_rebuilt_and_the_rerun_reports_correctly(tmp_path, how, caplog):
+    """A run stopped after its first epochs whose history.csv was then damaged resumed, trained, and failed at the end
+    (`KeyError: 'epoch'`, no metrics.json), and so did every rerun. history.csv is derived from the run: set aside
+    with a warning and rebuilt from TensorBoard's logs, and the run ends as the one never stopped."""
+    from tfmp import training
+    from tfmp.config import Config, validate
+
+    config = validate(Config(epochs=3, checkpoint_every_steps=11, steps_per_execution=1, precision=AUTO_PRECISION, strategy="off",
+                             bn_momentum=0.9))
+    steps_per_epoch = 1437 // 128  # 11: a checkpoint at every epoch end
+    workdir = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        training.run(config, str(workdir), extra_callbacks=[_StopAfterStep(2 * steps_per_epoch + 3)])
+    assert not (workdir / "metrics.json").exists()
+    original = _damage_history(workdir / "history.csv", how)
+    earlier = [line.split(",") for line in original.decode().splitlines()]
+    assert [row[0] for row in earlier] == ["epoch", "0", "1"]
+
+    with caplog.at_level("WARNING", logger="tfmp"):
+        metrics = training.run(config, str(workdir))
+    assert metrics["steps"] == 3 * steps_per_epoch
+    assert json.loads((workdir / "metrics.json").read_text()) == metrics
+    warnings = [record.getMessage() for record in caplog.records if "history.csv" in record.getMessage()]
+    if how == "header only":  # no row is damaged: epochs are missing, as after a crash before they were written
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and "is damaged" in warnings[0] and "rebuilt from TensorBoard's logs (2 epochs)" in warnings[0]
+        assert (workdir / "history.csv.damaged").read_bytes() != original  # the damaged copy kept for inspection
+    rows = [line.split(",") for line in (workdir / "history.csv").read_text().splitlines()]
+    assert rows[0] == earlier[0] and [row[0] for row in rows[1:]] == (["2"] if how == "header only" else ["0", "1", "2"])
+    if how != "header only":  # the rebuilt epochs are the ones logged before (TensorBoard keeps float32)
+        for rebuilt, logged in zip(rows[1:3], earlier[1:]):
+            assert [float(value) for value in rebuilt] == pytest.approx([float(value) for value in logged], rel=1e-6)
+    assert metrics["train_loss"] == pytest.approx(float(rows[-1][rows[0].index("loss")]))
+
+    # The finished run: a damaged history.csv does not stop the rerun from finding it finished, with its metrics.
+    _damage_history(workdir / "history.csv", how)
+    assert training.run(config, str(workdir)) == metrics

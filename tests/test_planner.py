@@ -41,6 +41,16 @@ def test_the_plan_names_the_cheapest_remat_and_the_largest_batch_that_fit():
     assert not tight.fits and "optimizer state alone take" in tight.summary()
 
 
+@pytest.mark.parametrize("device_bytes, usable", [(2 ** 10, "768 bytes usable of 1 KiB"), (2 ** 20, "768 KiB usable of 1 MiB"),
+                                                  (2 ** 40, "768 GiB usable of 1 TiB"), (1536 * MIB, "1.12 GiB usable of 1.5 GiB")])
+def test_the_plan_reads_its_figures_in_units_that_fit_their_size(device_bytes, usable):
+    """A small --device_memory printed "0.00 GiB (0.00 GiB usable of 0.00 GiB)"."""
+    estimates = {"none": _estimate(600), "blocks": _estimate(200), "full": _estimate(100)}
+    summary = planner.plan(estimates.__getitem__, device_bytes=device_bytes, remat="none", per_replica_batch=64).summary()
+    assert usable in summary and "0.00" not in summary
+    assert planner.readable_bytes(40 * MIB) == "40 MiB" and planner.readable_bytes(3 * 2 ** 50 // 2) == "1.5 PiB"
+
+
 def test_the_recommendation_changes_as_the_device_memory_shrinks(tmp_path, capsys):
     verdicts = []
     for memory in ("8GiB", "1536MiB", "600MiB", "100MiB"):

@@ -63,20 +63,36 @@ def test_bf16_on_a_gpu_below_8_0_is_an_error(machine_like):
         precision.resolve("bf16")
 
 
-def test_fp16_on_a_cpu_warns(machine_like):
+def _tfmp_warnings(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelname == "WARNING" and record.name.startswith("tfmp")]
+
+
+def test_fp16_on_a_cpu_warns_once_in_tfmp_s_log_not_as_a_python_warning(machine_like, caplog, monkeypatch):
+    from tfmp import logs
+
+    monkeypatch.setattr(logs, "_SAID", set())
     machine_like(cpu_flags={"avx512_bf16"})
-    with pytest.warns(UserWarning, match="slower than float32"):
+    with warnings.catch_warnings(), caplog.at_level("WARNING", logger="tfmp"):
+        warnings.simplefilter("error")  # a UserWarning pointing at precision.py's source line was the old form
         assert precision.resolve("fp16")[0] == "mixed_float16"
+        assert precision.resolve("fp16")[0] == "mixed_float16"
+    assert _tfmp_warnings(caplog) == ["mixed_float16 on a CPU is slower than float32 (no fp16 arithmetic units); use "
+                                      "mixed_bfloat16 where the CPU has AVX512_BF16/AMX, else float32"]
 
 
-def test_bf16_on_a_cpu_without_bf16_units_warns_and_with_them_does_not(machine_like):
+def test_bf16_on_a_cpu_without_bf16_units_warns_and_with_them_does_not(machine_like, caplog, monkeypatch):
+    from tfmp import logs
+
+    monkeypatch.setattr(logs, "_SAID", set())
     machine_like(cpu_flags={"avx2", "fma"})
-    with pytest.warns(UserWarning, match="emulated through float32"):
+    with caplog.at_level("WARNING", logger="tfmp"):
         assert precision.resolve("bf16") == ("mixed_bfloat16", "explicit choice (emulated on this CPU)")
+    assert len(_tfmp_warnings(caplog)) == 1 and "emulated through float32" in _tfmp_warnings(caplog)[0]
+    caplog.clear()
     machine_like(cpu_flags={"avx512_bf16"})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with caplog.at_level("WARNING", logger="tfmp"):
         assert precision.resolve("bf16") == ("mixed_bfloat16", "explicit choice")
+    assert _tfmp_warnings(caplog) == []
 
 
 @pytest.mark.parametrize("policy, compute_dtype", [("float32", "float32"), ("mixed_float16", "float16"),

@@ -115,6 +115,7 @@ if sys.argv[1] == "configured":
 import tfmp
 tfmp.precision.set_policy("float32")
 tfmp.distribute.get_strategy("auto")
+tfmp.distribute.get_strategy("auto")  # the same choice again: not a second line
 """
 
 
@@ -125,6 +126,6 @@ def test_the_library_path_logs_its_choices_once(setup):
     assert result.returncode == 0, result.stderr[-2000:]
     mine = [line for line in result.stderr.splitlines() if "precision: float32" in line or "strategy: " in line]
     if setup == "unconfigured":  # nobody configured logging: tfmp writes its own short lines
-        assert mine == ["tfmp: precision: float32 (explicit choice)", "tfmp: strategy: off (auto: one CPU device)"]
+        assert mine == ["tfmp: precision: float32 (explicit choice)", "tfmp: strategy: off (auto: one CPU device), 1 replica"]
     else:  # the user's handler gets them, in the user's format, once
         assert len(mine) == 2 and all(line.startswith("USER tfmp.") for line in mine)

@@ -35,16 +35,16 @@ def test_the_users_choice_is_kept(clean_environment):
 
 
 def test_startup_lines_written_to_fd_2_are_captured_and_shown_only_when_asked_or_on_failure(capfd):
-    with tf_environment.captured_startup() as captured:
+    with tf_environment.captured_stderr() as captured:
         os.write(2, b"E0000 failed call to cuInit\n")  # as TF's C++ side writes: to the descriptor, not sys.stderr
     assert captured == ["E0000 failed call to cuInit\n"] and capfd.readouterr().err == ""
 
-    with tf_environment.captured_startup(show=True):
+    with tf_environment.captured_stderr(show=True):
         os.write(2, b"banner\n")
     assert capfd.readouterr().err == "banner\n"
 
     with pytest.raises(ImportError):
-        with tf_environment.captured_startup():
+        with tf_environment.captured_stderr():
             os.write(2, b"why it failed\n")
             raise ImportError("no TensorFlow")
     assert capfd.readouterr().err == "why it failed\n"

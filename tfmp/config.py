@@ -182,6 +182,13 @@ def off_or_above_one(name, value):
     return None if value == 0 or value > 1 else f"{name} must be 0 (off) or > 1, got {value}"
 
 
+MAX_SEED = 2 ** 32 - 1  # NumPy's and TensorFlow's seeds are 32-bit
+
+
+def seed_range(name, value):
+    return None if 0 <= value <= MAX_SEED else f"{name} must be in [0, {MAX_SEED}], got {value}"
+
+
 def regular_expression(name, value):
     try:
         re.compile(value)
@@ -259,7 +266,7 @@ class Config:
     loss_scale: str = _field("dynamic", "mixed_float16 loss scale: 'dynamic' or a fixed number.", loss_scale_value)
     initial_loss_scale: float = _field(2.0**15, "Starting dynamic loss scale (mixed_float16; at least its floor, 1).", at_least_one)
     loss_scale_growth_steps: int = _field(2000, "Finite steps before the dynamic loss scale doubles.", positive_integer)
-    seed: int = _field(0, "Seed for initialisation, shuffling and augmentation.", at_least_zero)
+    seed: int = _field(0, "Seed for initialisation, shuffling and augmentation.", seed_range)
     # Self-supervised pretraining (--task=<an SSL method>) and its evaluation.
     pretrain_examples: int = _field(0, "Pretrain on a seeded sample of this many images (0: all; for data-size sweeps).", at_least_zero)
     temperature: float = _field(0.2, "Softmax temperature of simclr (NT-Xent) and mocov3 (InfoNCE).", above_zero)
@@ -396,6 +403,9 @@ def validate(config: Config) -> Config:
     _check_fields(config)
     _check_task_and_dataset(config)
     _check_workers(config)
+    if config.warmup_epochs > config.epochs:
+        raise UsageError(f"warmup_epochs {config.warmup_epochs:g} exceeds epochs {config.epochs}: the learning rate would never "
+                         f"reach --learning_rate; use at most {config.epochs}")
     config = config.replace(precision=precision)
     return smoke_variant(config) if config.smoke else config
 
@@ -411,6 +421,7 @@ def smoke_variant(config: Config) -> Config:
     for name, limit in SMOKE_LIMITS.items():
         value = getattr(config, name)
         changes[name] = limit if (name == "pretrain_examples" and value == 0) else min(value, limit)
+    changes["warmup_epochs"] = min(config.warmup_epochs, changes["epochs"])  # within the epochs it runs
     return config.replace(**changes)
 
 

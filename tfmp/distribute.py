@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import hardware, keras_internals
+from tfmp import hardware, keras_internals, logs
 from tfmp.config import STRATEGIES
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,10 @@ def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu:
         from tfmp import upstream
 
         upstream.apply_multi_worker_fixes()
-        return tf.distribute.MultiWorkerMirroredStrategy()
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        logs.once(logger, logging.INFO, "strategy: multi_worker_mirrored (asked for), %d replicas in all",
+                  strategy.num_replicas_in_sync)
+        return strategy
     if num_cpu_devices:
         split_cpu(num_cpu_devices)
     gpus = tf.config.list_logical_devices("GPU")
@@ -140,8 +143,14 @@ def get_strategy(name: str = "auto", *, num_cpu_devices: int | None = None, tpu:
             reason = f"auto: {len(gpus)} GPUs" if gpus else f"auto: the CPU is split into {len(cpus)} logical devices"
         else:
             name, reason = "off", f"auto: one {'GPU' if gpus else 'CPU'} device"
-    logger.info("strategy: %s (%s)", name, reason)
+    strategy = _make_strategy(name, gpus, cpus, tpu)
+    replicas = strategy.num_replicas_in_sync
+    logs.once(logger, logging.INFO, "strategy: %s (%s), %d replica%s", name, reason, replicas, "" if replicas == 1 else "s")
+    return strategy
 
+
+def _make_strategy(name: str, gpus: list, cpus: list, tpu: str | None) -> tf.distribute.Strategy:
+    """The strategy object for a resolved `name` (not `auto`, not `multi_worker_mirrored`)."""
     if name == "off":
         return tf.distribute.get_strategy()
     if name == "one_device":

@@ -69,6 +69,18 @@ class _EntryPointHandler(logging.Handler):
             self.handleError(record)
 
 
+_SAID: set[tuple[str, int, str]] = set()
+
+
+def once(logger: logging.Logger, level: int, message: str, *args) -> None:
+    """Logs `message % args` the first time this process says it (a choice repeated by every call that makes it, such
+    as the strategy of each `get_strategy`, is a line the first time and noise after)."""
+    text = message % args if args else message
+    if (logger.name, level, text) not in _SAID:
+        _SAID.add((logger.name, level, text))
+        logger.log(level, "%s", text)
+
+
 def install_library_default() -> None:
     """INFO for tfmp's logger, written by `_UntilConfigured` (idempotent; run by `import tfmp`)."""
     logger = logging.getLogger(LOGGER_NAME)
@@ -84,6 +96,19 @@ def _warning_as_log_line(message, category, filename, lineno, file=None, line=No
     logging.getLogger(LOGGER_NAME).warning("%s", message)
 
 
+class _KerasStepTracingFilter(logging.Filter):
+    """Drops TensorFlow's "N out of the last M calls to <function TensorFlowTrainer._make_function.<locals>...>
+    triggered tf.function retracing" warning. TensorFlow counts traces per Python code object, and Keras makes every
+    model's train, test and predict function from one closure: the first trace of each new model's function (the
+    SSL run's probes and baseline draws, each a model of its own) counts as a "retrace" of one function. Retraces of
+    one function are what costs time; tfmp's own were found and removed, and tests/test_presentation.py checks that
+    no function tfmp runs is traced twice. Every other retracing warning is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("triggered tf.function retracing" in message and "TensorFlowTrainer._make_function.<locals>" in message)
+
+
 def configure(verbose: bool = False) -> None:
     """Logging for tfmp's entry points: one short line per message (INFO to stdout, warnings and
     errors to stderr); other libraries' records at WARNING (INFO too with `verbose`)."""
@@ -94,4 +119,7 @@ def configure(verbose: bool = False) -> None:
         root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
     logging.getLogger(LOGGER_NAME).setLevel(logging.DEBUG if verbose else logging.INFO)
+    tensorflow_logger = logging.getLogger("tensorflow")
+    if not any(isinstance(existing, _KerasStepTracingFilter) for existing in tensorflow_logger.filters):
+        tensorflow_logger.addFilter(_KerasStepTracingFilter())
     warnings.showwarning = _warning_as_log_line

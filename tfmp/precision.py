@@ -21,12 +21,11 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import warnings
 
 import keras
 import tensorflow as tf
 
-from tfmp import hardware, keras_internals, upstream
+from tfmp import hardware, keras_internals, logs, upstream
 from tfmp.config import Precision, canonical_precision as canonical_name
 
 FLOAT32, MIXED_FLOAT16, MIXED_BFLOAT16, AUTO = (member.value for member in Precision)
@@ -72,20 +71,14 @@ def resolve(name: str = AUTO) -> tuple[str, str]:
             "valid here: mixed_float16, float32"
         )
     if name == MIXED_FLOAT16 and not gpus and not tpu:
-        warnings.warn(
-            "mixed_float16 on a CPU is slower than float32 (no fp16 arithmetic units); "
-            "use mixed_bfloat16 where the CPU has AVX512_BF16/AMX, else float32",
-            stacklevel=2,
-        )
+        logs.once(logger, logging.WARNING, "mixed_float16 on a CPU is slower than float32 (no fp16 arithmetic units); "
+                  "use mixed_bfloat16 where the CPU has AVX512_BF16/AMX, else float32")
         return name, "explicit choice (slow on CPU)"
     if name == MIXED_BFLOAT16 and not gpus and not tpu and not hardware.cpu_has_bf16_units():
         # Measured on a Zen 3 EPYC (AVX2 only): bf16 digits training ~7x slower than float32
         # (BUILD_NOTES.md, "Machine and versions").
-        warnings.warn(
-            "mixed_bfloat16 on a CPU without AVX512_BF16/AMX is emulated through float32: several times slower "
-            "than float32, which is what --precision=auto picks here",
-            stacklevel=2,
-        )
+        logs.once(logger, logging.WARNING, "mixed_bfloat16 on a CPU without AVX512_BF16/AMX is emulated through float32: "
+                  "several times slower than float32, which is what --precision=auto picks here")
         return name, "explicit choice (emulated on this CPU)"
     return name, "explicit choice"
 

@@ -263,9 +263,54 @@ def check_before_run(config: Config, workdir: str | RunDirectory) -> tuple[Confi
     return config, directory, finished
 
 
-def logged_history(history_file: str) -> list[dict]:
-    """The per-epoch logs `tfmp.callbacks.HistoryCSV` appended to `history_file` (history.csv), across resumptions."""
+class DamagedHistory(ValueError):
+    """history.csv does not read as the file `tfmp.callbacks.HistoryCSV` writes; the message says why."""
+
+
+def read_history(history_file: str) -> list[dict]:
+    """The per-epoch logs `tfmp.callbacks.HistoryCSV` appended to `history_file` (history.csv), across resumptions.
+
+    Raises:
+        DamagedHistory: the file is not one HistoryCSV wrote (garbage, a cut row, no `epoch` column).
+    """
     if not os.path.exists(history_file):
         return []
-    with open(history_file, encoding="utf-8", newline="") as file:
-        return [{key: float(value) for key, value in row.items() if value not in ("", "NA", None)} for row in csv.DictReader(file)]
+    try:
+        with open(history_file, encoding="utf-8", newline="") as file:
+            rows = list(csv.reader(file))
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise DamagedHistory(f"does not read ({type(error).__name__})") from None
+    if not rows:
+        return []  # an empty file: what a crash before the first row leaves
+    header, history = rows[0], []
+    if not header or header[0] != "epoch" or len(set(header)) != len(header):
+        raise DamagedHistory("its header is not epoch,<logged values>")
+    for number, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise DamagedHistory(f"line {number} has {len(row)} of {len(header)} columns")
+        try:
+            values = {key: float(value) for key, value in zip(header, row) if value not in ("", "NA")}
+        except ValueError:
+            raise DamagedHistory(f"line {number} holds a value that is not a number") from None
+        if "epoch" not in values or values["epoch"] != int(values["epoch"]) or values["epoch"] < 0:
+            raise DamagedHistory(f"line {number} has no epoch number")
+        history.append(values)
+    return history
+
+
+def logged_history(history_file: str) -> list[dict]:
+    """`read_history`, with a damaged file read as no history (it is derived; `HistoryCSV` sets it aside and rebuilds it)."""
+    try:
+        return read_history(history_file)
+    except DamagedHistory:
+        return []
+
+
+def set_aside(path: str, why: str) -> str:
+    """Moves a damaged derived file to `<path>.damaged` (or `.damaged-2`, ...), keeping it for inspection; returns where."""
+    aside, number = f"{path}.damaged", 1
+    while os.path.exists(aside):
+        number += 1
+        aside = f"{path}.damaged-{number}"
+    os.replace(path, aside)
+    return aside

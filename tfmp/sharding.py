@@ -34,7 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import keras_internals
+from tfmp import keras_internals, logs
 from tfmp.optimizers import LARS
 
 logger = logging.getLogger(__name__)
@@ -171,6 +171,9 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         self.held.strategy = tf.distribute.get_strategy()  # built under this strategy's scope, as Keras optimizers are
         self.held.reduction = choose_gradient_reduction(self.held.strategy, gradient_reduction)
         self.replicas = 1
+        if self.held.strategy.num_replicas_in_sync == 1:  # said here, before fit() prints its first epoch line
+            logs.once(logger, logging.WARNING, "optimizer_sharding=zero1 on one replica: nothing is sharded (the optimizer "
+                      "runs unchanged)")
 
     # ------------------------------------------------------------------------------ layout
 
@@ -194,7 +197,6 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         strategy = self.held.strategy  # the one it was made under: a callback may build it outside the scope
         self.replicas = strategy.num_replicas_in_sync
         if self.replicas == 1:
-            logger.info("optimizer_sharding=zero1: one replica, nothing to shard (the optimizer runs unchanged)")
             with strategy.scope():
                 self.inner.build(variables)
             self.built = True
@@ -316,12 +318,14 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
                     for name in self.slot_names for index, variable in enumerate(self.variables_in_order)}
         strategy = self.held.strategy
         names = list(self.buffers)
+        if getattr(self.held, "gather", None) is None:  # traced once, not at every checkpoint save
 
-        def gather():  # every replica's buffers, on every replica (across workers too): one collective per slot
-            context = tf.distribute.get_replica_context()
-            return [context.all_gather(tf.convert_to_tensor(self.buffers[name])[None], axis=0) for name in names]
+            def gather():  # every replica's buffers, on every replica (across workers too): one collective per slot
+                context = tf.distribute.get_replica_context()
+                return [context.all_gather(tf.convert_to_tensor(self.buffers[name])[None], axis=0) for name in names]
 
-        gathered = strategy.run(tf.function(gather))
+            self.held.gather = tf.function(gather)
+        gathered = strategy.run(self.held.gather)
         arrays = {}
         for name, per_replica in zip(names, gathered):
             shares = strategy.experimental_local_results(per_replica)[0].numpy()  # [replicas, shard_elements]

@@ -11,7 +11,7 @@ is never changed.
   and without them TF keeps no CPU allocation statistics, so peak tensor memory cannot be
   measured. On CPUs where oneDNN is TF's default already, setting it changes nothing.
 
-`captured_startup()` keeps the lines TensorFlow's C++ side prints while it loads and first
+`captured_stderr()` keeps the lines TensorFlow's C++ side prints while it loads and first
 lists devices (a banner, twice, then `failed call to cuInit` on a machine without a GPU)
 off the terminal: `TF_CPP_MIN_LOG_LEVEL` does not reach them in TF 2.21, since they are
 written before absl's logging is initialised. They are captured at the file-descriptor
@@ -36,8 +36,9 @@ def prepare() -> None:
 
 
 @contextlib.contextmanager
-def captured_startup(show: bool = False):
-    """Sends everything written to stderr (fd 2) inside the block to a temporary file.
+def captured_stderr(show: bool = False):
+    """Sends everything written to stderr (fd 2) inside the block to a temporary file: TensorFlow's C++ start-up
+    lines, or what a C library prints by itself (libjpeg's "Improper call to JPEG library" on a bad file).
 
     The captured text is written to the real stderr afterwards when `show` is set or the block
     raised; the yielded list receives it either way (one string).
@@ -65,9 +66,9 @@ def captured_startup(show: bool = False):
 
 
 def load_tensorflow(verbose: bool = False):
-    """Imports TensorFlow and discovers its devices with their start-up lines captured (`captured_startup`);
+    """Imports TensorFlow and discovers its devices with their start-up lines captured (`captured_stderr`);
     the entry points call this before anything else imports TensorFlow. Returns the module."""
-    with captured_startup(show=verbose):
+    with captured_stderr(show=verbose):
         import tensorflow as tf
 
         tf.config.list_physical_devices()  # device discovery prints the rest (cuInit on machines without a GPU)

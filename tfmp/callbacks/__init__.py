@@ -88,7 +88,7 @@ def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3,
         preemption=PreemptionCheckpoint(checkpointing, counter=counter),
         loss_scale=LossScaleMonitor(),
         monitors=tuple(monitors),
-        history=HistoryCSV(run.history_to_write, validation=validation),
+        history=HistoryCSV(run.history_to_write, validation=validation, tensorboard_directory=run.tensorboard),
         tensorboard=keras.callbacks.TensorBoard(run.tensorboard, write_graph=False),
     )
 

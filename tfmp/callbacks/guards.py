@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import keras
 import tensorflow as tf
@@ -15,6 +16,9 @@ from tfmp.callbacks.model_state import first_non_finite, learning_rate, logged_l
 from tfmp.callbacks.step_counter import StepCounter
 
 logger = logging.getLogger(__name__)
+
+# Model -> (ids of the variables it reads, a traced all-finite reduction over them): traced once per model and variables.
+_FINITE_CHECKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class NaNGuard(keras.callbacks.Callback):
@@ -61,7 +65,6 @@ class NaNGuard(keras.callbacks.Callback):
         self._skipped = 0
         self._warned_no_loss = False
         self._nonfinite_state_step: int | None = None  # seen by a vetoed save, not yet acted on
-        self._finite_check = None  # (the variables it reads, a traced all-finite reduction over them)
         self._watched: dict | None = None  # the model's optimizers, found at train begin
 
     @property
@@ -106,10 +109,11 @@ class NaNGuard(keras.callbacks.Callback):
                                                                        if optimizer.built for variable in optimizer.variables)]
                      if "float" in str(variable.dtype)]
         key = [id(variable) for variable in variables]
-        if self._finite_check is None or self._finite_check[0] != key:
+        known = _FINITE_CHECKS.get(self.model)  # shared by every guard of this model (an SSL run's baseline draws)
+        if known is None or known[0] != key:
             check = tf.function(lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(variable.value)) for variable in variables]))
-            self._finite_check = (key, check)
-        return bool(self._finite_check[1]())
+            known = _FINITE_CHECKS[self.model] = (key, check)
+        return bool(known[1]())
 
     def _take_nonfinite_state_step(self) -> int | None:
         step, self._nonfinite_state_step = self._nonfinite_state_step, None

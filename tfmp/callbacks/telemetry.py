@@ -12,7 +12,7 @@ import keras
 
 from tfmp import precision
 from tfmp.callbacks.model_state import optimizer_steps, owned_optimizers
-from tfmp.run_directory import logged_history
+from tfmp.run_directory import DamagedHistory, read_history, set_aside
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,24 @@ class HistoryCSV(keras.callbacks.Callback):
     return an empty `History`) hands back the whole run's history, as code reading it expects.
     """
 
-    def __init__(self, path: str, validation: bool = False):
+    def __init__(self, path: str, validation: bool = False, tensorboard_directory: str | None = None):
         super().__init__()
-        self.path, self.validation = path, validation
+        self.path, self.validation, self.tensorboard_directory = path, validation, tensorboard_directory
         self._earlier: list[dict] = []
 
     def on_train_begin(self, logs=None):
-        self._earlier = logged_history(self.path)
+        try:
+            self._earlier = read_history(self.path)
+        except DamagedHistory as damage:
+            # Derived from the run, not its truth (the checkpoints are): set aside, and rebuilt from the epochs
+            # TensorBoard logged, so a resumed run's History and metrics still see the earlier epochs.
+            aside = set_aside(self.path, str(damage))
+            self._earlier = history_from_tensorboard(self.tensorboard_directory) if self.tensorboard_directory else []
+            if self._earlier:
+                _write_rows(self.path, self._earlier)
+            logger.warning("%s is damaged (%s): moved to %s and %s", self.path, damage, os.path.basename(aside),
+                           f"rebuilt from TensorBoard's logs ({len(self._earlier)} epochs)" if self._earlier
+                           else "started afresh (no TensorBoard logs to rebuild it from)")
 
     def on_train_end(self, logs=None):
         history = getattr(self.model, "history", None)
@@ -139,6 +150,41 @@ class LossScaleMonitor(keras.callbacks.Callback):
 def _activity(optimizer) -> tuple[int, int]:
     """(updates applied, steps skipped): a loss-scaling optimizer that skipped every step still stepped."""
     return optimizer_steps(optimizer), precision.skipped_steps(optimizer) or 0
+
+
+def _write_rows(path: str, rows: list[dict]) -> None:
+    columns = list(dict.fromkeys(key for row in rows for key in row if key != "epoch"))
+    with open(path, "w", encoding="utf-8", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["epoch", *columns])
+        for row in rows:
+            writer.writerow([int(row["epoch"]), *(_csv_value(row.get(key)) for key in columns)])
+
+
+# What Keras' TensorBoard callback writes beside the logs it is given.
+TENSORBOARD_ONLY_TAGS = ("learning_rate",)
+
+
+def history_from_tensorboard(directory: str) -> list[dict]:
+    """The per-epoch logs Keras' TensorBoard callback wrote under `directory` (`train/`, `validation/`: `epoch_<name>`
+    scalars by epoch), as history.csv rows; the last value written for an epoch wins (a resumed run writes it again)."""
+    import tensorflow as tf
+
+    rows: dict[int, dict] = {}
+    for run, prefix in (("train", ""), ("validation", "val_")):
+        for path in sorted(tf.io.gfile.glob(os.path.join(directory, run, "events.out.tfevents.*"))):
+            try:
+                for record in tf.data.TFRecordDataset(path):
+                    event = tf.compat.v1.Event.FromString(record.numpy())
+                    for value in event.summary.value:
+                        name = value.tag.removeprefix("epoch_")
+                        if not value.tag.startswith("epoch_") or name in TENSORBOARD_ONLY_TAGS:
+                            continue
+                        number = float(tf.make_ndarray(value.tensor)) if value.HasField("tensor") else value.simple_value
+                        rows.setdefault(int(event.step), {"epoch": float(event.step)})[prefix + name] = number
+            except tf.errors.OpError:
+                continue  # a cut event file: what it held before the cut was read
+    return [rows[epoch] for epoch in sorted(rows)]
 
 
 def _csv_value(value) -> str:

@@ -23,12 +23,13 @@ import collections
 import dataclasses
 import logging
 import os
+import re
 from typing import Callable
 
 import numpy as np
 import tensorflow as tf
 
-from tfmp import registry
+from tfmp import registry, tf_environment
 
 logger = logging.getLogger(__name__)
 DIGITS_SPLIT_SEED = 0
@@ -237,7 +238,13 @@ def scan_images(paths: list[str]) -> tuple[dict[str, tuple[int, int, int]], dict
     error: a corrupt file found during training would end the run with a traceback mid-epoch, after hours."""
     if not paths:
         return {}, {}
+    # libjpeg writes its own lines to fd 2 for a bad file ("Input file read error", "Improper call to JPEG library
+    # in state 201"); TF's error for the file says the same, and is what the one-line refusal names.
+    with tf_environment.captured_stderr():
+        return _scan_images(paths)
 
+
+def _scan_images(paths: list[str]) -> tuple[dict[str, tuple[int, int, int]], dict[str, str]]:
     def decode(index, path):
         # The shape depends on the decode, so the decode runs (an unused result would be pruned and never fail).
         return index, tf.shape(tf.io.decode_image(tf.io.read_file(path), expand_animations=False))
@@ -254,7 +261,9 @@ def scan_images(paths: list[str]) -> tuple[dict[str, tuple[int, int, int]], dict
             tf.io.decode_image(tf.io.read_file(path), expand_animations=False)
         except (tf.errors.OpError, ValueError) as error:
             message = getattr(error, "message", str(error)).strip().splitlines()
-            reasons[path] = message[0] if message else type(error).__name__
+            # TF's op errors wrap the reason: "{{function_node ...}} jpeg::Uncompress failed. ... [Op:DecodeImage] name:"
+            reason = re.sub(r"^\{\{[^}]*\}\}\s*|\s*\[Op:\w+\].*$", "", message[0]) if message else ""
+            reasons[path] = reason or type(error).__name__
     return shapes, reasons
 
 

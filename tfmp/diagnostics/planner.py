@@ -2,13 +2,11 @@
 
 Given a device's memory (`--device_memory=16GiB`, read by `tfmp.config.parse_memory_size`, or the GPU's own where
 `nvidia-smi` reports it), the planner estimates each activation-checkpointing mode (`tfmp.diagnostics.memory`) in
-the order of its cost in step time — `none`, then `blocks` (one extra forward pass of each block: 1.2-1.4x the step,
-measured), then `full` — and names the first that fits, and the largest per-replica batch that fits with the run's
-own mode. A configuration *fits*
-when its estimate is at most `USABLE_FRACTION` of the device: the estimate leaves out framework workspace (cuDNN,
-XLA, allocator fragmentation). Against the allocator's peak on this project's models its total of activations and
-gradients measured 0.86-1.0 for ResNets and 0.63-0.85 for ViT-B/16, where gradients pile up while activations are
-freed (BUILD_NOTES.md, "Memory planner").
+the order of its cost in step time — `none`, then `blocks` (one extra forward pass of each block), then `full` — and
+names the first that fits, and the largest per-replica batch that fits with the run's own mode. A configuration
+*fits* when its estimate is at most `USABLE_FRACTION` of the device: the estimate leaves out framework workspace
+(cuDNN, XLA, allocator fragmentation). How close the estimate comes to the allocator's peak, and what remat costs
+in step time, is measured in BUILD_NOTES.md, "Memory planner".
 
 Where the weights, gradients and optimizer state alone do not fit, it says so, and what sharding the optimizer state
 over the replicas (`--optimizer_sharding=zero1`) would leave; tfmp does not shard weights or gradients.
@@ -25,8 +23,15 @@ USABLE_FRACTION = 0.75
 REMAT_BY_COST = ("none", "blocks", "full")
 
 
-def gib(count: int) -> str:
-    return f"{count / 2 ** 30:.2f} GiB"
+BYTE_UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def readable_bytes(count: int) -> str:
+    """`count` bytes in the largest binary unit that keeps the figure at least 1 (three significant digits)."""
+    value, unit = float(count), 0
+    while abs(value) >= 1024 and unit < len(BYTE_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{int(value)} bytes" if unit == 0 else f"{value:.3g} {BYTE_UNITS[unit]}"
 
 
 def gpu_memory_bytes() -> int | None:
@@ -68,20 +73,20 @@ class Plan:
 
     def summary(self) -> str:
         """One line: fits, or what would."""
-        budget = f"{gib(self.usable_bytes)} usable of {gib(self.device_bytes)}"
-        own = f"--remat={self.remat} at {self.per_replica_batch} images/replica: {gib(self.totals[self.remat])}"
+        budget = f"{readable_bytes(self.usable_bytes)} usable of {readable_bytes(self.device_bytes)}"
+        own = f"--remat={self.remat} at {self.per_replica_batch} images/replica: {readable_bytes(self.totals[self.remat])}"
         if self.fits:
             cheaper = self.cheapest_fitting
-            hint = f"; --remat={cheaper} also fits ({gib(self.totals[cheaper])}) and is faster" if (
+            hint = f"; --remat={cheaper} also fits ({readable_bytes(self.totals[cheaper])}) and is faster" if (
                 REMAT_BY_COST.index(cheaper) < REMAT_BY_COST.index(self.remat)) else ""
             return f"memory plan: fits: {own} ({budget}){hint}"
         if self.state_bytes > self.usable_bytes:
-            sharding = (f"; --optimizer_sharding=zero1 would leave {gib(self.zero1_state_bytes)}"
+            sharding = (f"; --optimizer_sharding=zero1 would leave {readable_bytes(self.zero1_state_bytes)}"
                         if self.zero1_state_bytes < self.state_bytes else "")
-            return (f"memory plan: does not fit: weights, gradients and optimizer state alone take {gib(self.state_bytes)} "
+            return (f"memory plan: does not fit: weights, gradients and optimizer state alone take {readable_bytes(self.state_bytes)} "
                     f"({budget}){sharding}; tfmp does not shard weights or gradients (see BUILD_NOTES.md)")
         cheaper = self.cheapest_fitting
-        options = [f"--remat={cheaper} ({gib(self.totals[cheaper])})"] if cheaper else []
+        options = [f"--remat={cheaper} ({readable_bytes(self.totals[cheaper])})"] if cheaper else []
         if self.largest_batch:
             options.append(f"at most {self.largest_batch} images/replica with --remat={self.remat}")
         return f"memory plan: does not fit: {own} ({budget}); needs {' or '.join(options) or 'a smaller model'}"

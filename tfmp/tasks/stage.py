@@ -180,7 +180,7 @@ def fit_stage(model: keras.Model, dataset: Callable[[], tf.data.Dataset], config
             break
         checkpointing.continue_in_memory()
     # A stage that had already finished trains no epoch: its last loss is in its history.csv.
-    losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(directory.history_file)[-1:]]
+    losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(directory.history_file)[-1:] if "loss" in row]
     raise_if_failed(callbacks.guard, losses)
     utilisation = {} if flops_per_example is None else flops.utilisation(flops_per_example, throughput.examples_per_second,
                                                                           precision.global_policy_name())
@@ -206,4 +206,7 @@ def check_model_fits(config: Config, data) -> None:
     try:
         models.check_image_size(config.model, data.image_shape)
     except ValueError as error:
-        raise UsageError(f"{error} ({data.name} has {'x'.join(map(str, data.image_shape))} images)") from None
+        shape = "x".join(map(str, data.image_shape))
+        where = (f"--image_size={config.image_size} resizes {data.name}'s images to {shape}" if config.image_size
+                 else f"{data.name} has {shape} images")
+        raise UsageError(f"{error} ({where})") from None
