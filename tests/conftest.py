@@ -55,6 +55,15 @@ def restore_global_policy():
 
 
 @pytest.fixture
+def new_process(monkeypatch):
+    """Makes the next fit() behave as in a new process: tfmp forgets the fits this process trained (a second fit in
+    one process that would train nothing is refused; a rerun in a new process resumes)."""
+    from tfmp.callbacks import checkpointing
+
+    return lambda: monkeypatch.setattr(checkpointing, "_TRAINED_IN_THIS_PROCESS", {})
+
+
+@pytest.fixture
 def run_cli():
     """Runs `python -m tfmp.train ARGS` in a fresh process; returns the CompletedProcess."""
 

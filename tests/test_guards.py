@@ -269,3 +269,19 @@ def test_a_skip_streak_counts_every_step_of_an_execution(tmp_path):
     guard = guard_callbacks.guard
     # Counted per call, the streak would have reached 6 only after 24 steps.
     assert guard.diagnosis and "(step 8: 8 fp16 steps skipped in a row)" in guard.diagnosis, guard.diagnosis
+
+
+def test_the_finite_check_is_traced_once_per_model_whatever_the_number_of_guards(tmp_path, monkeypatch):
+    """An SSL run's baseline draws train one compiled model, each draw with guards of its own: the check of the weights
+    was traced anew for every draw."""
+    made = []
+    original = tf.function
+    monkeypatch.setattr(tf, "function", lambda *args, **kwargs: made.append(original(*args, **kwargs)) or made[-1])
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    for draw in range(3):
+        guard = callbacks.NaNGuard(callbacks.Checkpointing(str(tmp_path / f"draw{draw}")))
+        guard.set_model(model)
+        assert guard.save_veto({"loss": 1.0}) is None
+    model.layers[0].kernel.assign(np.full((3, 2), np.inf, np.float32))
+    assert guard.save_veto({"loss": 1.0}) == "non-finite weights"  # the one check still reads the weights
+    assert len(made) == 1 and made[0].experimental_get_tracing_count() == 1

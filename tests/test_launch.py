@@ -32,8 +32,13 @@ def test_exit_code_of_a_signalled_process():
 def test_a_failing_worker_fails_the_launch_with_its_code_and_prefixed_output(tmp_path):
     result = _launch("--num_workers=2", f"--workdir={tmp_path / 'run'}", "--precision=fp8")
     assert result.returncode == 2
-    assert "[worker 0] tfmp.train: error: unknown precision 'fp8'" in result.stdout
-    assert "[worker 1] tfmp.train: error: unknown precision 'fp8'" in result.stdout
+    assert "[worker 0] tfmp.train: error: unknown precision 'fp8'" in result.stdout or \
+        "[worker 1] tfmp.train: error: unknown precision 'fp8'" in result.stdout
+    # The first worker to fail stops the others (a dead peer would leave them blocked in a collective): the slower one
+    # may be stopped before it prints its own refusal (seen under load), but says nothing else.
+    worker_lines = [line for line in result.stdout.splitlines() if line.startswith("[worker ")]
+    assert worker_lines and all(line.endswith("tfmp.train: error: unknown precision 'fp8'; valid: float32, mixed_float16, "
+                                              "mixed_bfloat16, fp32, fp16, bf16, auto") for line in worker_lines), worker_lines
 
 
 def test_flags_the_launcher_owns_are_refused(tmp_path):

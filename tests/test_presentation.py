@@ -36,6 +36,48 @@ def smoke_simclr(tmp_path_factory):
     return workdir, result
 
 
+def test_the_smoke_run_s_stderr_holds_no_retracing_warning(smoke_simclr):
+    """TensorFlow's multi-line "triggered tf.function retracing" warning was in the smoke run's stderr."""
+    _, result = smoke_simclr
+    assert "retracing" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [
+        line for line in result.stderr.splitlines() if line.startswith("warning: small-data guard")]
+
+
+def test_no_function_the_smoke_run_traces_is_traced_twice(tmp_path, monkeypatch):
+    """What the retracing warning was about: no tf.function made during an SSL run (Keras' train, test and predict
+    functions of each model, tfmp's own) traced again for another input. Before: the feature extraction retraced for
+    the last, smaller batch, and the NaN guard's finite check was traced anew for each label draw's baseline (zero1's
+    checkpoint gather once per save: tests/test_sharding.py)."""
+    import tensorflow as tf
+
+    from tfmp import train
+
+    made = []
+    original = tf.function
+
+    def recording(*args, **kwargs):
+        function = original(*args, **kwargs)
+        if callable(function) and hasattr(function, "experimental_get_tracing_count"):
+            made.append(function)
+        elif callable(function):  # used as a decorator factory: tf.function(jit_compile=...)(f)
+            return lambda inner: made.append(function(inner)) or made[-1]
+        return function
+
+    monkeypatch.setattr(tf, "function", recording)
+    monkeypatch.chdir(REPO)
+    assert train.main(["tfmp.train", "--flagfile=experiments/digits_simclr.cfg", "--smoke", "--strategy=off",
+                       f"--workdir={tmp_path / 'run'}"]) == 0
+    # A function whose first call creates variables (an optimizer built in its first step) is traced twice for the
+    # same inputs by TensorFlow's design; what costs a trace per shape is a new input signature.
+    signatures = {function: {str(concrete.structured_input_signature) for concrete in function.list_concrete_functions()}
+                  if hasattr(function, "list_concrete_functions") else set() for function in made}
+    traced = [function for function in made if function.experimental_get_tracing_count()]
+    retraced = [(function.python_function.__qualname__, sorted(signatures[function])) for function in traced
+                if len(signatures[function]) > 1 or function.experimental_get_tracing_count() > 2]
+    assert len(traced) >= 6 and retraced == []
+
+
 def test_the_main_job_announces_its_phases_in_order_and_keeps_inner_stages_quiet(smoke_simclr):
     _, result = smoke_simclr
     lines = result.stdout.splitlines()

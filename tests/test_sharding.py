@@ -90,6 +90,8 @@ def test_the_checkpointed_state_is_whole_and_resumes_on_one_replica(tmp_path):
     path = tf.train.Checkpoint(model=sharded, optimizer=sharded.optimizer).write(str(tmp_path / "ckpt"))
     state = sharded.optimizer.gathered_state()
     assert all(np.any(value) for value in state.values())  # a restore is told apart from a fresh start
+    sharded.optimizer.gathered_state()  # every checkpoint save gathers: traced once (it was traced anew at each save)
+    assert sharded.optimizer.held.gather.experimental_get_tracing_count() == 1
     assert set(state) == {f"{slot}:{index}" for slot in ("momentum", "velocity") for index in range(len(sharded.trainable_variables))}
 
     # The same checkpoint on one device: its whole state lands in the unsharded optimizer's slots.
@@ -207,7 +209,7 @@ def test_fit_with_zero1_matches_fit_without():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
 
 
-def test_a_rerun_through_default_callbacks_restores_the_sharded_state(tmp_path):
+def test_a_rerun_through_default_callbacks_restores_the_sharded_state(tmp_path, new_process):
     from tfmp import callbacks
 
     strategy = distribute.get_strategy("mirrored")
@@ -226,6 +228,7 @@ def test_a_rerun_through_default_callbacks_restores_the_sharded_state(tmp_path):
     first.fit(images, labels, batch_size=32, epochs=2, verbose=0, callbacks=callbacks.default_callbacks(str(tmp_path / "run")))
     state = first.optimizer.gathered_state()
     assert state and any(np.abs(value).max() > 0 for value in state.values())
+    new_process()
     rerun = build()  # the same script again: nothing left to train, everything restored
     rerun.fit(images, labels, batch_size=32, epochs=2, verbose=0, callbacks=callbacks.default_callbacks(str(tmp_path / "run")))
     restored = rerun.optimizer.gathered_state()
@@ -357,3 +360,15 @@ def test_on_two_gpus_zero1_reduce_scatters_and_ends_where_the_unsharded_optimize
     _train(sharded, strategy, images, labels)
     for a, b in zip(plain.weights, sharded.weights):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
+
+
+def test_zero1_on_one_replica_says_once_before_training_that_nothing_is_sharded(caplog, monkeypatch):
+    """The note was INFO, logged while the first step was traced: between `Epoch 1/3` and that epoch's line."""
+    from tfmp import logs
+
+    monkeypatch.setattr(logs, "_SAID", set())
+    with caplog.at_level("INFO", logger="tfmp"):
+        _model(tf.distribute.get_strategy(), "adamw", zero1=True)  # made, not yet built or trained
+        _model(tf.distribute.get_strategy(), "sgd", zero1=True)
+    notes = [record for record in caplog.records if "nothing is sharded" in record.getMessage()]
+    assert len(notes) == 1 and notes[0].levelname == "WARNING"

@@ -29,15 +29,6 @@ from contrastive_user_model import ContrastiveModel, digits  # noqa: E402
 STEPS_PER_EPOCH = 15  # 1,797 digits in batches of 128, the last one partial
 
 
-@pytest.fixture
-def new_process(monkeypatch):
-    """Makes the next fit() behave as in a new process: tfmp forgets the fits this process trained (a second fit in
-    one process that would train nothing is refused; a rerun in a new process resumes)."""
-    from tfmp.callbacks import checkpointing
-
-    return lambda: monkeypatch.setattr(checkpointing, "_TRAINED_IN_THIS_PROCESS", {})
-
-
 def _checkpoint_steps(workdir) -> list[int]:
     return [step for step, _ in callbacks.find_checkpoints(os.path.join(workdir, "checkpoints"))]
 

@@ -324,8 +324,9 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
                 context = tf.distribute.get_replica_context()
                 return [context.all_gather(tf.convert_to_tensor(self.buffers[name])[None], axis=0) for name in names]
 
-            self.held.gather = tf.function(gather)
-        gathered = strategy.run(self.held.gather)
+            # strategy.run of a tf.function wraps it anew at each call; run inside one function, it is traced once.
+            self.held.gather = tf.function(lambda: strategy.run(gather))
+        gathered = self.held.gather()
         arrays = {}
         for name, per_replica in zip(names, gathered):
             shares = strategy.experimental_local_results(per_replica)[0].numpy()  # [replicas, shard_elements]

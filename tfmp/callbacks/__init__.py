@@ -93,6 +93,7 @@ def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3,
     )
 
 
-__all__ = ["CallbackOrderError", "Checkpointing", "check_order", "HistoryCSV", "LossScaleMonitor", "NaNGuard", "Preempted", "PreemptionCheckpoint", "RepeatedFit", "ReplicaConsistencyCheck",
-           "ReplicaDivergenceError", "RunCallbacks", "RunLock", "StepCounter", "Throughput", "default_callbacks", "find_checkpoints",
-           "logged_history", "logged_losses", "owned_optimizers"]
+__all__ = ["CallbackOrderError", "Checkpointing", "HistoryCSV", "LossScaleMonitor", "NaNGuard", "Preempted",
+           "PreemptionCheckpoint", "RepeatedFit", "ReplicaConsistencyCheck", "ReplicaDivergenceError", "RunCallbacks",
+           "RunLock", "StepCounter", "Throughput", "check_order", "default_callbacks", "find_checkpoints", "logged_history",
+           "logged_losses", "owned_optimizers"]

@@ -20,10 +20,9 @@ def in_memory_options() -> tf.data.Options:
     """Options for a pipeline over arrays already in memory: tf.data's autotuning off.
 
     Autotuning sizes parallel reads, decodes and prefetch buffers; over arrays in memory there is
-    nothing for it to tune, and its background work competed with training on 2 cores: the digits
-    SimCLR preset pretrained at 3,800 images/s without it against 3,000-3,130 with it, and
-    `fit()`s of a few seconds sometimes waited ~1.5 s at their end for its thread (BUILD_NOTES
-    "Performance, round two"). Pipelines that read and decode files keep it.
+    nothing for it to tune, and its background work competes with training for the cores and can
+    hold a short `fit()` at its end (measured in BUILD_NOTES.md, "Performance, round two").
+    Pipelines that read and decode files keep it.
     """
     options = tf.data.Options()
     options.autotune.enabled = False

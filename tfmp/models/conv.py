@@ -71,7 +71,7 @@ def tap_matmul_kernel_gradient(inputs: tf.Tensor, upstream: tf.Tensor, kernel_sh
     kernel_height, kernel_width, in_channels, filters = kernel_shape
     top, left = (kernel_height - 1) // 2, (kernel_width - 1) // 2
     # The shifted copies depend only on the forward input, so a graph executor may make them all at the
-    # start of the backward pass, for every such layer at once (measured: 5x the step's peak). Each copy is
+    # start of the backward pass, for every such layer at once, several times the step's peak. Each copy is
     # made once the previous tap's matmul is done (the first once `upstream` exists): one alive at a time.
     with tf.control_dependencies([upstream]):
         padded = tf.pad(inputs, [[0, 0], [top, kernel_height - 1 - top], [left, kernel_width - 1 - left], [0, 0]])

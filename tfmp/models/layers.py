@@ -97,8 +97,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 context = tf.distribute.get_replica_context()
                 if context is not None and context.num_replicas_in_sync > 1:
                     # Each replica normalised with its own batch; the moving statistics must still be one value on
-                    # every replica (Keras 3.15 lets them drift apart: measured 0.0014 after two steps of its own
-                    # BatchNormalization on 2 replicas, and tfmp's replica check then stops the run).
+                    # every replica (Keras 3.15 lets them drift apart, and tfmp's replica check then stops the run:
+                    # BUILD_NOTES.md, "BatchNorm moving statistics on several replicas").
                     mean, variance = context.all_reduce(tf.distribute.ReduceOp.MEAN, [mean, variance])
                 self.moving_mean.assign(self.moving_mean * self.momentum + mean * (1.0 - self.momentum))
                 self.moving_variance.assign(self.moving_variance * self.momentum + variance * (1.0 - self.momentum))

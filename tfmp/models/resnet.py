@@ -4,8 +4,9 @@ Written here rather than taken from `keras.applications` because tfmp needs cont
 that the applications do not give: synchronized BatchNorm (SimCLR across replicas),
 BatchNorm momentum for small data sets, and block boundaries for activation
 checkpointing (`remat="blocks"` makes each residual block one checkpointed segment,
-`"full"` also each stage). `resnet18_cifar` is the same network as the PyTorch peer benchmark
-(`shared/bench/torch_simclr_peer.py`), so the two can be timed side by side.
+`"full"` also each stage). `resnet18_cifar` is the same network as the PyTorch peer that
+`experiments/benchmarks/run_benchmarks.py` times it against (the peer lives beside the repository,
+in the project's shared benchmark folder, not in it), so the two can be timed side by side.
 """
 
 from __future__ import annotations

@@ -37,11 +37,15 @@ _INFERENCE_FUNCTIONS: "weakref.WeakKeyDictionary[keras.Model, dict]" = weakref.W
 def _inference_function(encoder: keras.Model, jit_compile: bool):
     """One traced forward pass per encoder (and XLA setting), reused by every extraction: a new
     `tf.function` per call would retrace each time (TF warns after five), and the kNN monitor
-    extracts features every few epochs. `reduce_retracing`: the last, smaller batch reuses it too."""
+    extracts features every few epochs. Traced for any batch size up front, so the last, smaller batch does not
+    trace it again (an encoder without a known input shape: traced again once, for a batch of any size)."""
     functions = _INFERENCE_FUNCTIONS.setdefault(encoder, {})
     if jit_compile not in functions:
+        input_shape = getattr(encoder, "input_shape", None)
+        signature = [tf.TensorSpec([None, *input_shape[1:]], tf.float32)] if isinstance(input_shape, tuple) else None
         functions[jit_compile] = tf.function(lambda images: tf.cast(encoder(images, training=False), tf.float32),
-                                             jit_compile=jit_compile, reduce_retracing=True)
+                                             jit_compile=jit_compile, input_signature=signature,
+                                             reduce_retracing=signature is None)
     return functions[jit_compile]
 
 
@@ -50,9 +54,9 @@ def knn_accuracy(bank: np.ndarray, bank_labels: np.ndarray, queries: np.ndarray,
     """Weighted kNN on cosine similarity (Wu et al. 2018): each of the k nearest bank
     examples votes for its class with weight exp(similarity / temperature).
 
-    Features are centred on the bank's mean first. Post-ReLU, average-pooled features
-    all lie in the positive orthant, where cosine similarities crowd near 1: on digits
-    (7 labels a class) centring took a SimCLR encoder's kNN accuracy from 0.74 to 0.91.
+    Features are centred on the bank's mean first: post-ReLU, average-pooled features
+    all lie in the positive orthant, where cosine similarities crowd near 1 (what centring
+    buys is measured in BUILD_NOTES.md, "Layout and decisions").
     """
     center = bank.mean(axis=0, keepdims=True)
     bank, queries = bank - center, queries - center

@@ -180,7 +180,8 @@ def fit_stage(model: keras.Model, dataset: Callable[[], tf.data.Dataset], config
             break
         checkpointing.continue_in_memory()
     # A stage that had already finished trains no epoch: its last loss is in its history.csv.
-    losses = history.history.get("loss") or [row["loss"] for row in tfmp_callbacks.logged_history(directory.history_file)[-1:] if "loss" in row]
+    logged = tfmp_callbacks.logged_history(directory.history_file)[-1:]
+    losses = history.history.get("loss") or [row["loss"] for row in logged if "loss" in row]
     raise_if_failed(callbacks.guard, losses)
     utilisation = {} if flops_per_example is None else flops.utilisation(flops_per_example, throughput.examples_per_second,
                                                                           precision.global_policy_name())
