@@ -41,6 +41,14 @@ def _collaborators(cls: type) -> dict[str, type]:
     """`self.<attribute>` -> the Protocol of the constructor argument stored there, for every argument typed with one.
 
     Raises AssertionError when an argument is typed with a concrete callback class instead."""
+    stored = {}
+    for base in reversed(cls.__mro__):  # what tfmp's own base classes store counts too
+        if (base is cls or base.__module__.startswith("tfmp.")) and "__init__" in vars(base):
+            stored.update(_stored_by(base))
+    return stored
+
+
+def _stored_by(cls: type) -> dict[str, type]:
     hints = typing.get_type_hints(cls.__init__)
     typed = {}
     for parameter, hint in hints.items():

@@ -19,7 +19,7 @@ from tfmp import keras_internals
 from tfmp.callbacks import checkpoint_files
 from tfmp.callbacks.model_state import owned_optimizers
 from tfmp.callbacks.interfaces import SaveGate, StepCount
-from tfmp.callbacks.step_counter import StepCounter
+from tfmp.callbacks.step_counter import CountingCallback
 from tfmp.config import UsageError
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class RepeatedFit(UsageError):
     """A second `fit()` in one process on a workdir its first one already trained to `epochs`: it would train nothing."""
 
 
-class Checkpointing(keras.callbacks.Callback):
+class Checkpointing(CountingCallback):
     """Saves the model, every optimizer it owns, the step and the epoch; resumes at train begin.
 
     Saves at epoch ends and, with `checkpoint_every_steps`, every that many steps, as
@@ -62,19 +62,15 @@ class Checkpointing(keras.callbacks.Callback):
         counter: the run's `StepCounter` (one is made and driven here when not given).
     """
 
-    runs_after = (StepCounter,)
-
     def __init__(self, directory: str, keep_checkpoints: int = 3, checkpoint_every_steps: int = 0,
                  checkpoint_every_seconds: float = 0.0, save_directory: str | None = None, counter: StepCount | None = None):
-        super().__init__()
+        super().__init__(counter)
         self.directory = directory
         self.save_directory = save_directory or directory
         self.keep_checkpoints = keep_checkpoints
         self.checkpoint_every_steps = checkpoint_every_steps
         self.checkpoint_every_seconds = checkpoint_every_seconds
         self.save_gate: SaveGate | None = None
-        self._owns_counter = counter is None
-        self.counter: StepCount = counter or StepCounter()
         self.restored_epoch = 0
         self.restored_step = 0
         self.restored_path: str | None = None
@@ -265,12 +261,10 @@ class Checkpointing(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._current_epoch = epoch
-        if self._owns_counter:
-            self.counter.on_epoch_begin(epoch, logs)
+        super().on_epoch_begin(epoch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._owns_counter:
-            self.counter.on_train_batch_end(batch, logs)
+        super().on_train_batch_end(batch, logs)
         if self._pending_restore:
             path, self._pending_restore = self._pending_restore, None
             self._load(path)

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tfmp import distribute, precision
 from tfmp.callbacks.interfaces import RestorePoint, StepCount
 from tfmp.callbacks.model_state import first_non_finite, learning_rate, logged_losses, optimizer_steps, owned_optimizers
-from tfmp.callbacks.step_counter import StepCounter
+from tfmp.callbacks.step_counter import CountingCallback
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 _FINITE_CHECKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-class NaNGuard(keras.callbacks.Callback):
+class NaNGuard(CountingCallback):
     """Catches divergence: restores the last good checkpoint and retries, then stops with a diagnosis.
 
     Watches every loss the model logs (`loss`, or a custom model's `c_loss`, `p_loss`, ...) and
@@ -45,14 +45,10 @@ class NaNGuard(keras.callbacks.Callback):
         loss_explosion_factor: loss / its best epoch value that counts as divergence (0: off).
     """
 
-    runs_after = (StepCounter,)
-
     def __init__(self, checkpointing: RestorePoint, nan_retries: int = 2, max_skipped_steps: int = 20,
                  loss_explosion_factor: float = 1000.0, counter: StepCount | None = None):
-        super().__init__()
+        super().__init__(counter)
         self.checkpointing = checkpointing
-        self._owns_counter = counter is None
-        self.counter: StepCount = counter or StepCounter()
         checkpointing.set_save_gate(self)
         self.nan_retries = nan_retries
         self.max_skipped_steps = max_skipped_steps
@@ -125,13 +121,8 @@ class NaNGuard(keras.callbacks.Callback):
         self._watched = None
         self._skipped = self._total_skipped()
 
-    def on_epoch_begin(self, epoch, logs=None):
-        if self._owns_counter:
-            self.counter.on_epoch_begin(epoch, logs)
-
     def on_train_batch_end(self, batch, logs=None):
-        if self._owns_counter:
-            self.counter.on_train_batch_end(batch, logs)
+        super().on_train_batch_end(batch, logs)
         losses = logged_losses(logs)
         if not losses and not self._warned_no_loss:
             self._warned_no_loss = True
@@ -228,7 +219,7 @@ class ReplicaDivergenceError(RuntimeError):
     """Per-replica copies of some variables differ; the message names them."""
 
 
-class ReplicaConsistencyCheck(keras.callbacks.Callback):
+class ReplicaConsistencyCheck(CountingCallback):
     """Every `replica_check_every_steps` steps (and at each epoch end), checks that all replicas
     hold the same variables (`tfmp.distribute.check_replica_consistency`) and stops training with
     `ReplicaDivergenceError` naming the ones that do not. Does nothing on one replica.
@@ -243,14 +234,10 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
         counter: the run's `StepCounter` (one is made and driven here when not given).
     """
 
-    runs_after = (StepCounter,)
-
     def __init__(self, replica_check_every_steps: int = 100, atol: float = 0.0, counter: StepCount | None = None):
-        super().__init__()
+        super().__init__(counter)
         self.replica_check_every_steps = replica_check_every_steps
         self.atol = atol
-        self._owns_counter = counter is None
-        self.counter: StepCount = counter or StepCounter()
         self._active = False
         self._warned = False
 
@@ -278,13 +265,8 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
                            "(or tfmp.models.layers.BatchNormalization) to keep them equal", self.counter.step, len(layers),
                            ", ".join(layers))
 
-    def on_epoch_begin(self, epoch, logs=None):
-        if self._owns_counter:
-            self.counter.on_epoch_begin(epoch, logs)
-
     def on_train_batch_end(self, batch, logs=None):
-        if self._owns_counter:
-            self.counter.on_train_batch_end(batch, logs)
+        super().on_train_batch_end(batch, logs)
         if self._active and self.counter.crossed(self.replica_check_every_steps):
             self._check()
 

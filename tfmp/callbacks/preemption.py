@@ -10,7 +10,7 @@ import keras
 
 from tfmp.callbacks.checkpointing import Checkpointing
 from tfmp.callbacks.interfaces import SavesNow, StepCount
-from tfmp.callbacks.step_counter import StepCounter
+from tfmp.callbacks.step_counter import CountingCallback, StepCounter
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class Preempted(SystemExit):
         return self.message
 
 
-class PreemptionCheckpoint(keras.callbacks.Callback):
+class PreemptionCheckpoint(CountingCallback):
     """On SIGTERM (the preemption notice of TPU VMs, spot GPUs, Kubernetes) or Ctrl-C, saves a
     checkpoint of the current step and stops with `Preempted`, wherever in `fit()` the signal lands.
 
@@ -59,10 +59,8 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
     runs_after = (StepCounter, Checkpointing)  # an epoch end's own checkpoint is taken before a stop there
 
     def __init__(self, checkpointing: SavesNow, counter: StepCount | None = None):
-        super().__init__()
+        super().__init__(counter)
         self.checkpointing = checkpointing
-        self._owns_counter = counter is None
-        self.counter: StepCount = counter or StepCounter()
         self.requested: int | None = None  # the signal received, if any
         self._previous: dict = {}
 
@@ -99,13 +97,8 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         logger.warning("%s", stopped)
         raise stopped
 
-    def on_epoch_begin(self, epoch, logs=None):
-        if self._owns_counter:
-            self.counter.on_epoch_begin(epoch, logs)
-
     def on_train_batch_end(self, batch, logs=None):
-        if self._owns_counter:
-            self.counter.on_train_batch_end(batch, logs)
+        super().on_train_batch_end(batch, logs)
         self._stop_if_requested(logs)
 
     def on_test_batch_end(self, batch, logs=None):

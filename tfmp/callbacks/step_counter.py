@@ -1,8 +1,11 @@
-"""`StepCounter`: the training steps a run has taken, across resumptions (the number checkpoints carry)."""
+"""`StepCounter`: the training steps a run has taken, across resumptions (the number checkpoints carry), and
+`CountingCallback`, the base of the callbacks that read it."""
 
 from __future__ import annotations
 
 import keras
+
+from tfmp.callbacks.interfaces import StepCount
 
 
 class StepCounter(keras.callbacks.Callback):
@@ -53,3 +56,28 @@ class StepCounter(keras.callbacks.Callback):
         """Sets the count to `step` (a restored checkpoint's) at the current batch: the next batch is step + 1."""
         self._step = self._previous_step = step
         self._epoch_start = step - self._batch - 1
+
+
+class CountingCallback(keras.callbacks.Callback):
+    """A callback that reads the run's step count: the run's `StepCounter` when given (which runs before it and counts
+    for everyone), else a counter of its own that it drives (a callback used on its own). Subclasses that override
+    `on_epoch_begin` or `on_train_batch_end` call these first.
+
+    Args:
+        counter: the run's `StepCounter`, or None.
+    """
+
+    runs_after = (StepCounter,)
+
+    def __init__(self, counter: StepCount | None = None):
+        super().__init__()
+        self._owns_counter = counter is None
+        self.counter: StepCount = counter or StepCounter()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._owns_counter:
+            self.counter.on_epoch_begin(epoch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._owns_counter:
+            self.counter.on_train_batch_end(batch, logs)
