@@ -34,7 +34,7 @@ _logs.install_library_default()  # tfmp's choices are seen once even where nobod
 
 _SUBMODULES = ("bench", "callbacks", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware", "keras_internals",
                "launch", "logs", "models", "optimizers", "precision", "registry", "report", "run_directory", "runtime", "sharding",
-               "ssl", "tasks", "tf_environment", "train", "training", "upstream", "workdir_lock")
+               "ssl", "tasks", "tf_environment", "train", "training", "update_rules", "upstream", "workdir_lock")
 
 
 def __getattr__(name):

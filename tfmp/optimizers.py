@@ -17,7 +17,8 @@ import math
 import keras
 from keras import ops
 
-from tfmp import keras_internals, precision
+from tfmp import keras_internals, precision, update_rules
+from tfmp.sharding import ZeroOneOptimizer
 from tfmp.config import LEARNING_RATE_SCALINGS
 
 # Variables whose names contain these are excluded from weight decay (and LARS adaptation).
@@ -41,6 +42,8 @@ class LARS(keras.optimizers.Optimizer):
         exclude_names: name fragments of variables excluded from decay and adaptation.
     """
 
+    update_rule = "lars"  # its step is `tfmp.update_rules.lars`, which `tfmp.sharding` runs on shards too
+
     def __init__(self, learning_rate=0.1, momentum=0.9, weight_decay=1e-6, eta=1e-3, exclude_names=NO_DECAY_NAMES, name="lars",
                  **kwargs):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
@@ -60,18 +63,13 @@ class LARS(keras.optimizers.Optimizer):
         return len(variable.shape) > 1 and not any(fragment in getattr(variable, "path", variable.name) for fragment in self.exclude_names)
 
     def update_step(self, gradient, variable, learning_rate):
-        learning_rate = ops.cast(learning_rate, variable.dtype)
-        gradient = ops.cast(gradient, variable.dtype)
-        if self.adapts(variable):
-            gradient = gradient + self.lars_weight_decay * variable
-            weight_norm, gradient_norm = ops.norm(ops.reshape(variable, [-1])), ops.norm(ops.reshape(gradient, [-1]))
-            trust = ops.where(
-                ops.logical_and(weight_norm > 0, gradient_norm > 0), self.eta * weight_norm / gradient_norm, ops.ones_like(weight_norm)
-            )
-            gradient = gradient * trust
         momentum = self.momentums[keras_internals.variable_index(self, variable)]
-        self.assign(momentum, momentum * self.momentum + learning_rate * gradient)
-        self.assign_sub(variable, momentum)
+        weight, new_momentum = update_rules.lars(
+            ops.convert_to_tensor(variable), ops.cast(gradient, variable.dtype), ops.convert_to_tensor(momentum),
+            learning_rate=ops.cast(learning_rate, variable.dtype), coefficient=self.momentum, weight_decay=self.lars_weight_decay,
+            eta=self.eta, adapts=self.adapts(variable))
+        self.assign(momentum, new_momentum)
+        self.assign(variable, weight)
 
     def get_config(self):
         config = super().get_config()
@@ -127,8 +125,6 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     if config.weight_decay and config.optimizer != "lars":
         optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY_NAMES))
     if config.optimizer_sharding == "zero1":
-        from tfmp.sharding import ZeroOneOptimizer  # it builds on this module's LARS
-
         optimizer = ZeroOneOptimizer(optimizer)
     return precision.wrap_optimizer(
         optimizer,

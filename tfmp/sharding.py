@@ -15,14 +15,16 @@ whole layers. A step:
    (`merge_call` + `extended.update`, Keras' own way of writing mirrored variables).
 
 The state lives in per-replica (`ON_READ`) flat buffers as long as the largest share. What each update computes is
-Keras' own update rule for that optimizer, written as a function of (weight, gradient, state): tests hold it equal to
-the unsharded optimizer within float32 rounding. On one replica the wrapper applies the inner optimizer unchanged.
+the optimizer's rule from `tfmp.update_rules` (Keras' own update written once as a function of weight, gradient and
+state; LARS steps with it too): tests hold it equal to the unsharded optimizer within float32 rounding. On one
+replica the wrapper applies the inner optimizer unchanged.
 
 Checkpoints hold the state layout-free: per variable, whole, all-gathered from every replica (every worker) when a
 checkpoint is written (`tf.train.experimental.PythonState`), so a run resumes on another number of replicas.
 
 Not sharded: weights and gradients stay whole on every replica (ZeRO stages 2 and 3, FSDP). Limits (refused with
-one line where they apply): gradient clipping, EMA, gradient accumulation, and optimizers other than the three above.
+one line where they apply, `update_rules.check_supported`): gradient clipping, EMA, gradient accumulation, AMSGrad,
+and optimizers other than the three above.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import keras_internals, logs
-from tfmp.optimizers import LARS
+from tfmp import keras_internals, logs, update_rules
 
 logger = logging.getLogger(__name__)
 
@@ -112,16 +113,6 @@ def choose_gradient_reduction(strategy, choice: str = "auto"):
     return AllReduceShares()
 
 
-def _slot_names(optimizer) -> tuple[str, ...]:
-    if isinstance(optimizer, keras.optimizers.Adam):  # AdamW is an Adam
-        return ("momentum", "velocity")
-    if isinstance(optimizer, LARS):
-        return ("momentum",)
-    if isinstance(optimizer, keras.optimizers.SGD):
-        return ("momentum",) if optimizer.momentum else ()
-    raise ValueError(f"optimizer_sharding=zero1 supports AdamW, Adam, SGD and LARS, not {type(optimizer).__name__}")
-
-
 class ShardedState(tf.train.experimental.PythonState):
     """The sharded optimizer state in a checkpoint: whole per variable path, whatever the replica layout."""
 
@@ -153,12 +144,8 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
     def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str = "zero1", **kwargs):
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self.gradient_reduction = gradient_reduction
-        for option in ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
-            if getattr(inner, option, None):
-                raise ValueError(f"optimizer_sharding=zero1 does not support {option}")
-        if getattr(inner, "use_ema", False):
-            raise ValueError("optimizer_sharding=zero1 does not support use_ema")
-        self.slot_names = _slot_names(inner)
+        update_rules.check_supported(inner, "optimizer_sharding=zero1")
+        self.slot_names = update_rules.slot_names(inner)
         # The per-replica buffers and the inner optimizer (whose slots exist on one replica only) are kept out of
         # TensorFlow's checkpoint tracking: the state goes through `sharded_state`, whole per variable, so a
         # checkpoint holds the same objects whatever the number of replicas that wrote or reads it.
@@ -296,7 +283,7 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             weight = tf.convert_to_tensor(variable.value)
             if index in present:
                 gradient = tf.cast(tf.reshape(own_gradients[start:start + size], variable.shape), variable.dtype)
-                weight, slots = update_rule(self.inner, variable, weight, gradient, slots, learning_rate, step)
+                weight, slots = update_rules.update(self.inner, variable, weight, gradient, slots, learning_rate, step)
             weights.append(tf.reshape(weight, [-1]))
             for name in self.slot_names:
                 states[name].append(tf.reshape(slots[name], [-1]))
@@ -395,34 +382,3 @@ class _Untracked:
 def _write_all(strategy, variables, values):
     for variable, value in zip(variables, values):
         strategy.extended.update(variable.value, lambda target, new: target.assign(new), args=(value,), group=False)
-
-
-def update_rule(optimizer, variable, weight, gradient, slots: dict, learning_rate, step):
-    """Keras' (or LARS') update of one variable as a function: (new weight, new slots). `step` counts from 1."""
-    if keras_internals.uses_weight_decay(optimizer, variable) and getattr(optimizer, "weight_decay", None) and not isinstance(
-            optimizer, LARS):
-        weight = weight - weight * tf.cast(optimizer.weight_decay, weight.dtype) * learning_rate
-    if isinstance(optimizer, keras.optimizers.Adam):
-        beta_1, beta_2 = tf.cast(optimizer.beta_1, tf.float32), tf.cast(optimizer.beta_2, tf.float32)
-        alpha = learning_rate * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
-        momentum = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
-        velocity = slots["velocity"] + (tf.square(gradient) - slots["velocity"]) * (1 - beta_2)
-        weight = weight - (momentum * alpha) / (tf.sqrt(velocity) + optimizer.epsilon)
-        return weight, {"momentum": momentum, "velocity": velocity}
-    if isinstance(optimizer, LARS):
-        if optimizer.adapts(variable):
-            gradient = gradient + optimizer.lars_weight_decay * weight
-            weight_norm, gradient_norm = tf.norm(tf.reshape(weight, [-1])), tf.norm(tf.reshape(gradient, [-1]))
-            trust = tf.where(tf.logical_and(weight_norm > 0, gradient_norm > 0), optimizer.eta * weight_norm / gradient_norm,
-                             tf.ones_like(weight_norm))
-            gradient = gradient * trust
-        momentum = slots["momentum"] * optimizer.momentum + learning_rate * gradient
-        return weight - momentum, {"momentum": momentum}
-    # SGD
-    if not optimizer.momentum:
-        return weight - gradient * learning_rate, {}
-    coefficient = tf.cast(optimizer.momentum, tf.float32)
-    momentum = slots["momentum"] * coefficient - gradient * learning_rate
-    if optimizer.nesterov:
-        return weight + (momentum * coefficient - gradient * learning_rate), {"momentum": momentum}
-    return weight + momentum, {"momentum": momentum}
