@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import runpy
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIMCLR_PEER = os.path.join(HERE, "..", "..", "..", "shared", "bench", "torch_simclr_peer.py")
@@ -30,7 +31,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from torch_step import time_supervised_steps  # beside this file (run as a script)
+    sys.path.insert(0, HERE)  # run_benchmarks.py runs this file through runpy, where sys.path[0] is not its folder
+    from torch_step import time_supervised_steps  # beside this file
 
     resnet = runpy.run_path(args.peer)["CifarResNet18"]
     torch.manual_seed(0)

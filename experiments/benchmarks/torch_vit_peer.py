@@ -16,6 +16,7 @@ import argparse
 import ast
 import json
 import os
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VIT_MODULE = os.path.join(HERE, "..", "..", "tfmp", "models", "vit.py")
@@ -75,7 +76,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from torch_step import time_supervised_steps  # beside this file (run as a script)
+    sys.path.insert(0, HERE)  # run_benchmarks.py runs this file through runpy, where sys.path[0] is not its folder
+    from torch_step import time_supervised_steps  # beside this file
 
     torch.manual_seed(0)
     model = build(torch, vit_sizes()[args.model], args.image_size)
