@@ -294,3 +294,10 @@ def test_a_damaged_history_csv_is_set_aside_and_rebuilt_and_the_rerun_reports_co
     # The finished run: a damaged history.csv does not stop the rerun from finding it finished, with its metrics.
     _damage_history(workdir / "history.csv", how)
     assert training.run(config, str(workdir)) == metrics
+    if how == "garbage":
+        # Killed after its last checkpoint, before metrics.json: rerunning training.run in this same process (a notebook)
+        # resumes the finished stage and writes them; its fit is not refused as a repeat (the slow SSL exact-resume
+        # test met that refusal in a baseline draw).
+        (workdir / "metrics.json").unlink()
+        again = training.run(config, str(workdir))
+        assert again["steps"] == metrics["steps"] and again["resumed_from_step"] == metrics["steps"]

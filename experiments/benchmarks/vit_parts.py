@@ -14,6 +14,8 @@ under `torch.autocast("cpu", torch.bfloat16)` (as the peer benchmark `torch_vit_
     mlp             Dense(1536, gelu) + Dense(384) / Linear + GELU + Linear
     mlp_no_gelu     the MLP with its activation removed
     gelu            the exact GELU alone on the (8, 197, 1536) hidden tensor
+    gelu_tanh       its tanh approximation (a different function: the opt-in candidate)
+    gelu_float32    the exact GELU of the bf16 tensor computed in float32 and cast back (the same function in bf16)
     block           one pre-norm transformer block (all of the above and the residuals)
     adamw_update    AdamW's apply over ViT-S/16's 21.7M parameters as one matrix (one update, gradients given)
 
@@ -33,7 +35,7 @@ import time
 
 BATCH, TOKENS, WIDTH, HEADS, MLP = 8, 197, 384, 6, 1536
 VIT_S16_PARAMETERS = 21_664_512  # tfmp's vit_small_p16 encoder (tests/test_vit.py derives it from timm's count)
-PARTS = ("layer_norm", "attention", "mlp", "mlp_no_gelu", "gelu", "block", "adamw_update")
+PARTS = ("layer_norm", "attention", "mlp", "mlp_no_gelu", "gelu", "gelu_tanh", "gelu_float32", "block", "adamw_update")
 
 
 def _median_ms(call, warmup: int, repeats: int) -> float:
@@ -93,15 +95,19 @@ def time_tf(precision: str, warmup: int, repeats: int) -> dict[str, float]:
 
         results[part] = _median_ms(step, warmup, repeats)
 
-    @tf.function
-    def gelu_step():
-        source = tf.cast(hidden, compute)
-        with tf.GradientTape() as tape:
-            tape.watch(source)
-            loss = tf.reduce_sum(tf.cast(tf.nn.gelu(source, approximate=False), tf.float32))
-        return tape.gradient(loss, source)
+    gelus = {"gelu": lambda t: tf.nn.gelu(t, approximate=False), "gelu_tanh": lambda t: tf.nn.gelu(t, approximate=True),
+             "gelu_float32": lambda t: tf.cast(tf.nn.gelu(tf.cast(t, tf.float32), approximate=False), t.dtype)}
+    source = tf.cast(hidden, compute)
+    for part, gelu in gelus.items():
 
-    results["gelu"] = _median_ms(gelu_step, warmup, repeats)
+        @tf.function
+        def gelu_step(gelu=gelu):
+            with tf.GradientTape() as tape:
+                tape.watch(source)
+                loss = tf.reduce_sum(tf.cast(gelu(source), tf.float32))
+            return tape.gradient(loss, source)
+
+        results[part] = _median_ms(gelu_step, warmup, repeats)
 
     variables = [keras.Variable(np.zeros((VIT_S16_PARAMETERS // 1000, 1000), "float32"))]
     gradients = [tf.ones_like(variables[0].value)]
@@ -157,7 +163,10 @@ def time_torch(precision: str, warmup: int, repeats: int) -> dict[str, float]:
 
     results = {part: _median_ms(forward_backward(module, x), warmup, repeats) for part, module in modules.items()}
     source = (hidden.to(torch.bfloat16) if precision == "bf16" else hidden).requires_grad_(True)
-    results["gelu"] = _median_ms(forward_backward(functional.gelu, source), warmup, repeats)
+    gelus = {"gelu": functional.gelu, "gelu_tanh": lambda t: functional.gelu(t, approximate="tanh"),
+             "gelu_float32": lambda t: functional.gelu(t.float()).to(t.dtype)}
+    for part, gelu in gelus.items():
+        results[part] = _median_ms(forward_backward(gelu, source), warmup, repeats)
     parameters = [nn.Parameter(torch.zeros(VIT_S16_PARAMETERS // 1000, 1000))]
     parameters[0].grad = torch.ones_like(parameters[0])
     optimizer = torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.05)

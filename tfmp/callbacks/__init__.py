@@ -61,7 +61,7 @@ keras_internals.register_tree_node(RunCallbacks, lambda callbacks: list(callback
 def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3, checkpoint_every_steps: int = 0,
                       checkpoint_every_seconds: float = 10.0, nan_retries: int = 2, max_skipped_steps: int = 20,
                       loss_explosion_factor: float = 1000.0, replica_check_every_steps: int = 100, monitors=(),
-                      validation: bool = False) -> RunCallbacks:
+                      validation: bool = False, refuse_repeated_fit: bool = True) -> RunCallbacks:
     """The workdir's lock, step counter, guards, checkpoints with resume, preemption, telemetry, then the loggers.
 
     Args:
@@ -71,13 +71,15 @@ def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3,
         loss_explosion_factor, replica_check_every_steps: as `tfmp.config.Config`'s fields.
         monitors: callbacks whose values go into the logs (e.g. `tfmp.ssl.probes.KNNMonitor`).
         validation: the fit validates, so history.csv gets `val_` columns.
+        refuse_repeated_fit: a second `fit()` in this process that would train nothing raises `RepeatedFit` (tfmp's
+            own stages pass False: a rerun of `tfmp.training.run` in one process resumes them).
     """
     run = as_run_directory(workdir)
     os.makedirs(run.write_path, exist_ok=True)
     counter = StepCounter()
     checkpointing = Checkpointing(run.checkpoints, keep_checkpoints=keep_checkpoints, checkpoint_every_steps=checkpoint_every_steps,
                                   checkpoint_every_seconds=checkpoint_every_seconds, save_directory=run.checkpoints_to_write,
-                                  counter=counter)
+                                  counter=counter, refuse_repeated_fit=refuse_repeated_fit)
     return RunCallbacks(
         lock=RunLock(None if run.is_scratch else run.path),
         step_counter=counter,

@@ -60,11 +60,15 @@ class Checkpointing(CountingCallback):
         save_directory: write here instead (non-chief workers: every worker must take part in
             saving, but only the chief's copy is kept).
         counter: the run's `StepCounter` (one is made and driven here when not given).
+        refuse_repeated_fit: refuse a second `fit()` in this process that would train nothing (`RepeatedFit`);
+            tfmp's own stages pass False: rerunning `tfmp.training.run` in one process resumes it, stage by stage.
     """
 
     def __init__(self, directory: str, keep_checkpoints: int = 3, checkpoint_every_steps: int = 0,
-                 checkpoint_every_seconds: float = 0.0, save_directory: str | None = None, counter: StepCount | None = None):
+                 checkpoint_every_seconds: float = 0.0, save_directory: str | None = None, counter: StepCount | None = None,
+                 refuse_repeated_fit: bool = True):
         super().__init__(counter)
+        self.refuse_repeated_fit = refuse_repeated_fit
         self.directory = directory
         self.save_directory = save_directory or directory
         self.keep_checkpoints = keep_checkpoints
@@ -238,7 +242,8 @@ class Checkpointing(CountingCallback):
         training nothing. A new process (the rerun of a stopped script) is never refused: it resumes."""
         epochs = (self.params or {}).get("epochs")
         trained_to = _TRAINED_IN_THIS_PROCESS.get(os.path.realpath(self.directory))
-        if path is None or trained_to is None or not epochs or checkpoint_files.progress(path)[0] < epochs:
+        if not self.refuse_repeated_fit or path is None or trained_to is None or not epochs or \
+                checkpoint_files.progress(path)[0] < epochs:
             return
         raise RepeatedFit(f"fit(epochs={epochs}) on {os.path.dirname(os.path.abspath(self.directory))} would train nothing: "
                           f"this process already trained it to epoch {trained_to}, and with tfmp's checkpoints `epochs` is "

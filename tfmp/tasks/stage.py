@@ -105,7 +105,9 @@ def loss_scale_metrics(optimizer) -> dict:
 
 def run_callbacks(config: Config, directory: RunDirectory, monitors=(), validation: bool = False) -> tfmp_callbacks.RunCallbacks:
     """tfmp's callbacks for one training stage in `directory` (its settings are `Config`'s fields by name)."""
-    return tfmp_callbacks.default_callbacks(directory, monitors=monitors, validation=validation,
+    # A stage's `epochs` is its total and rerunning the run resumes it, in a new process or this one (a notebook
+    # rerunning `training.run` after a stop): its fits are never refused as repeats.
+    return tfmp_callbacks.default_callbacks(directory, monitors=monitors, validation=validation, refuse_repeated_fit=False,
                                             **{name: getattr(config, name) for name in CALLBACK_SETTINGS})
 
 
