@@ -200,6 +200,7 @@ def test_non_finite_weights_at_the_last_save_fail_the_run_whatever_the_callback_
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     checkpointing = callbacks.Checkpointing(str(tmp_path / "checkpoints"))
     guard = callbacks.NaNGuard(checkpointing)
+    assert guard.counter is checkpointing.counter  # used on their own, the guard reads the count a restore rewinds
     order = (guard, checkpointing) if guard_first else (checkpointing, guard)
     for callback in order:
         callback.set_model(model)

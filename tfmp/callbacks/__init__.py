@@ -55,7 +55,7 @@ class RunCallbacks(list):
         return list(self)
 
 
-keras_internals.register_tree_node(RunCallbacks, lambda callbacks: list(callbacks), lambda children: list(children))
+keras_internals.register_tree_node(RunCallbacks, flatten=list, unflatten=list)
 
 
 def default_callbacks(workdir: str | RunDirectory, *, keep_checkpoints: int = 3, checkpoint_every_steps: int = 0,

@@ -211,8 +211,8 @@ class Checkpointing(CountingCallback):
                 keras_internals.set_initial_epoch(self.model, int(self._epoch.numpy()))
             return
         path = self._choose(at_start=True)
-        self._refuse_a_repeated_fit(path)
-        self._step_at_begin = checkpoint_files.progress(path)[1] if path else 0
+        saved_epochs, self._step_at_begin = checkpoint_files.progress(path) if path else (0, 0)
+        self._refuse_a_repeated_fit(saved_epochs)
         if path and not self.model.built:
             # A model built lazily (a Sequential without Input, a subclassed model) has no variables yet:
             # built here from the input shape its earlier run kept (Keras' own build config).
@@ -233,7 +233,7 @@ class Checkpointing(CountingCallback):
         if epoch:
             keras_internals.set_initial_epoch(self.model, epoch)
 
-    def _refuse_a_repeated_fit(self, path: str | None) -> None:
+    def _refuse_a_repeated_fit(self, saved_epochs: int) -> None:
         """Raises `RepeatedFit` when this process already trained this workdir to the `epochs` of the fit starting now.
 
         `epochs` is the run's total, as with Keras' `BackupAndRestore`: a rerun resumes and a finished run trains
@@ -242,8 +242,7 @@ class Checkpointing(CountingCallback):
         training nothing. A new process (the rerun of a stopped script) is never refused: it resumes."""
         epochs = (self.params or {}).get("epochs")
         trained_to = _TRAINED_IN_THIS_PROCESS.get(os.path.realpath(self.directory))
-        if not self.refuse_repeated_fit or path is None or trained_to is None or not epochs or \
-                checkpoint_files.progress(path)[0] < epochs:
+        if not self.refuse_repeated_fit or trained_to is None or not epochs or saved_epochs < epochs:
             return
         raise RepeatedFit(f"fit(epochs={epochs}) on {os.path.dirname(os.path.abspath(self.directory))} would train nothing: "
                           f"this process already trained it to epoch {trained_to}, and with tfmp's checkpoints `epochs` is "

@@ -39,7 +39,7 @@ class NaNGuard(CountingCallback):
 
     Args:
         checkpointing: the run's checkpoints (`tfmp.callbacks.Checkpointing`): what the guard restores, and gates.
-        counter: the run's `StepCounter` (one is made and driven here when not given).
+        counter: the run's `StepCounter` (default: the checkpoints' own, which a restore rewinds).
         nan_retries: restores before giving up.
         max_skipped_steps: fp16 steps skipped in a row that count as a failure once the loss scale is at its floor.
         loss_explosion_factor: loss / its best epoch value that counts as divergence (0: off).
@@ -47,7 +47,7 @@ class NaNGuard(CountingCallback):
 
     def __init__(self, checkpointing: RestorePoint, nan_retries: int = 2, max_skipped_steps: int = 20,
                  loss_explosion_factor: float = 1000.0, counter: StepCount | None = None):
-        super().__init__(counter)
+        super().__init__(counter or checkpointing.counter)
         self.checkpointing = checkpointing
         checkpointing.set_save_gate(self)
         self.nan_retries = nan_retries

@@ -49,6 +49,8 @@ class SaveGate(Protocol):
 class RestorePoint(Protocol):
     """What the NaN guard needs of the checkpoints (`tfmp.callbacks.Checkpointing`)."""
 
+    counter: StepCount  # the count the checkpoints carry and a restore rewinds
+
     @property
     def last_good_checkpoint(self) -> str | None:
         """The newest checkpoint that reads completely, or None."""
@@ -62,6 +64,8 @@ class RestorePoint(Protocol):
 
 class SavesNow(Protocol):
     """What the preemption handler needs of the checkpoints (`tfmp.callbacks.Checkpointing`)."""
+
+    counter: StepCount  # the count the checkpoints carry
 
     def save_now(self, logs=None) -> bool:
         """Saves the current step; whether it was saved (not vetoed)."""

@@ -52,14 +52,14 @@ class PreemptionCheckpoint(CountingCallback):
 
     Args:
         checkpointing: what saves the current step (`tfmp.callbacks.Checkpointing`).
-        counter: the run's `StepCounter` (one is made and driven here when not given).
+        counter: the run's `StepCounter` (default: the checkpoints' own).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
     runs_after = (StepCounter, Checkpointing)  # an epoch end's own checkpoint is taken before a stop there
 
     def __init__(self, checkpointing: SavesNow, counter: StepCount | None = None):
-        super().__init__(counter)
+        super().__init__(counter or checkpointing.counter)
         self.checkpointing = checkpointing
         self.requested: int | None = None  # the signal received, if any
         self._previous: dict = {}
