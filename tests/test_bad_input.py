@@ -113,6 +113,32 @@ def test_the_largest_seed_and_a_warmup_of_the_whole_run_are_accepted():
     assert (smoke.epochs, smoke.warmup_epochs) == (2, 2.0)  # --smoke runs 2 epochs: its warmup fits in them
 
 
+def test_sharding_is_one_setting_and_its_previous_name_still_works(tmp_path):
+    """`--optimizer_sharding=zero1` became `--sharding=zero1` (ZeRO's stage names); workdirs whose config.json
+    spells the old name resume, and the two names given with different values are refused."""
+    import json
+
+    from tfmp.config import Config, UsageError, load_json, renamed_settings_given, validate
+
+    assert validate(Config(optimizer_sharding="zero1")).sharding == "zero1"
+    assert validate(Config(optimizer_sharding="zero1")).optimizer_sharding == ""
+    assert renamed_settings_given(Config(optimizer_sharding="zero1")) == [
+        "--optimizer_sharding=zero1 is now --sharding=zero1 (the old name still works)"]
+    assert validate(Config(optimizer_sharding="zero1", sharding="zero1")).sharding == "zero1"
+    with pytest.raises(UsageError, match=r"^--optimizer_sharding=none and --sharding=zero1 disagree; give --sharding only$"):
+        validate(Config(optimizer_sharding="none", sharding="zero1"))
+    with pytest.raises(UsageError, match=r"^unknown sharding 'zero9'; valid: none, zero1$"):
+        validate(Config(sharding="zero9"))
+    with pytest.raises(UsageError, match=r"^unknown optimizer_sharding 'zero2'; valid: none, zero1$"):
+        validate(Config(optimizer_sharding="zero2"))
+    written_before = Config().to_dict()  # a config.json of a zero1 run written before the rename
+    del written_before["sharding"]
+    written_before["optimizer_sharding"] = "zero1"
+    (tmp_path / "config.json").write_text(json.dumps(written_before))
+    earlier = load_json(str(tmp_path / "config.json"))
+    assert earlier.sharding == "zero1" and not validate(Config(sharding="zero1")).differences(earlier)
+
+
 def test_an_encoder_file_that_is_not_one(run_cli, tmp_path):
     encoder = tmp_path / "encoder.keras"
     encoder.write_bytes(os.urandom(512))

@@ -113,7 +113,7 @@ def test_a_zero1_cli_run_killed_on_two_replicas_resumes_on_one_device(tmp_path, 
     on one device, from the sharded checkpoint of step 12 (its optimizer state laid out anew), with a warning."""
     from tfmp.config import Config
 
-    overrides = {"task": "supervised", "epochs": 3, "precision": "float32", "optimizer_sharding": "zero1",
+    overrides = {"task": "supervised", "epochs": 3, "precision": "float32", "sharding": "zero1",
                  "checkpoint_every_steps": 4, "steps_per_execution": 1}
     config = Config(**overrides, strategy="mirrored", num_cpu_devices=2)
     workdir = tmp_path / "run"

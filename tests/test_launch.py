@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def _metrics(workdir):
 
 @pytest.mark.slow  # ~30 s
 def test_two_workers_train_with_zero1_like_without(tmp_path):
-    result = _launch("--num_workers=2", *DIGITS, "--optimizer_sharding=zero1", f"--workdir={tmp_path / 'zero1'}")
+    result = _launch("--num_workers=2", *DIGITS, "--sharding=zero1", f"--workdir={tmp_path / 'zero1'}")
     assert result.returncode == 0, result.stdout[-3000:]
     sharded = _metrics(tmp_path / "zero1")
     result = _launch("--num_workers=2", *DIGITS, f"--workdir={tmp_path / 'none'}")
@@ -72,6 +73,9 @@ def test_two_workers_train_digits_like_one_process(tmp_path, run_cli):
     two = tmp_path / "two_workers"
     result = _launch("--num_workers=2", *DIGITS, f"--workdir={two}")
     assert result.returncode == 0, result.stdout[-3000:]
+    # The largest worker's peak memory, read from the reaped workers (a TensorFlow worker needs well over 100 MiB).
+    peak = re.search(r"^tfmp.launch: the largest worker's peak RSS: [0-9.]+ GiB \((\d+) bytes\)$", result.stdout, re.M)
+    assert peak and int(peak.group(1)) > 100 * 2**20, result.stdout[-1000:]
     metrics = _metrics(two)
     assert metrics["strategy"] == "multi_worker_mirrored" and metrics["num_replicas"] == 2
 
@@ -96,11 +100,11 @@ def _worker_pid(workdir, task_index):
 
 
 @pytest.mark.slow  # 44 s each; the two-worker run itself is in the default suite
-@pytest.mark.parametrize("optimizer_sharding", ["none", "zero1"])
-def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path, optimizer_sharding):
+@pytest.mark.parametrize("stage", ["none", "zero1"])
+def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path, stage):
     """With zero1 the relaunch scatters the state both workers all-gathered into the checkpoint (tfmp.sharding)."""
     workdir = str(tmp_path / "run")
-    settings = [*DIGITS, "--checkpoint_every_steps=5", f"--optimizer_sharding={optimizer_sharding}"]
+    settings = [*DIGITS, "--checkpoint_every_steps=5", f"--sharding={stage}"]
     command = [sys.executable, "-m", "tfmp.launch", "--num_workers=2", *settings, f"--workdir={workdir}"]
     launcher = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)

@@ -62,7 +62,10 @@ JIT_COMPILE_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "off", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
 OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
-OPTIMIZER_SHARDINGS = ("none", "zero1")
+# What is sharded across replicas, by ZeRO's stage names (tfmp.sharding). zero2 and zero3 join as they are built.
+SHARDING_STAGES = ("none", "zero1")
+# Settings renamed: old name -> (new name, the values the old name took). Old config.json files and flags still work.
+RENAMED_SETTINGS = {"optimizer_sharding": ("sharding", ("none", "zero1"))}
 REMAT_MODES = ("none", "blocks", "full")
 MAX_IMAGE_SIZE = 1024  # --image_size above this: a decoded data set of many GB, not what tfmp's encoders are for
 MIN_LOGICAL_DEVICES_ALLOWED = 4
@@ -101,6 +104,11 @@ def canonical_precision(name: str) -> str:
 
 def one_of(*choices):
     return lambda name, value: None if value in choices else f"unknown {name} {value!r}; valid: {', '.join(choices)}"
+
+
+def unset_or(check):
+    """A renamed setting's check: empty (not given) or what `check` accepts."""
+    return lambda name, value: None if value == "" else check(name, value)
 
 
 def registered(registry: tfmp_registry.Registry):
@@ -250,10 +258,11 @@ class Config:
     remat: str = _field("none", f"Activation checkpointing: {', '.join(REMAT_MODES)} (blocks: recompute each residual "
                                 "or transformer block in the backward pass; full: also each ResNet stage around its blocks).",
                         one_of(*REMAT_MODES))
-    optimizer_sharding: str = _field("none", f"Optimizer-state sharding across replicas: {', '.join(OPTIMIZER_SHARDINGS)} "
-                                             "(zero1: each replica keeps and updates the optimizer state of its share of the "
-                                             "weights; weights and gradients stay whole).",
-                                     one_of(*OPTIMIZER_SHARDINGS))
+    sharding: str = _field("none", f"What is sharded across replicas (ZeRO's stages): {', '.join(SHARDING_STAGES)} (zero1: "
+                                   "each replica keeps and updates the optimizer state of its share of the weights; weights "
+                                   "and gradients stay whole).", one_of(*SHARDING_STAGES))
+    optimizer_sharding: str = _field("", "The previous name of --sharding (none or zero1), still accepted.",
+                                     unset_or(one_of(*RENAMED_SETTINGS["optimizer_sharding"][1])))
     drop_path_rate: float = _field(0.0, "ViT encoders: stochastic depth of the last block (DeiT's drop path), rising "
                                         "linearly from 0 at the first.", momentum)
     conv_weight_gradient: str = _field("auto", f"Convolution weight gradient: {', '.join(CONV_WEIGHT_GRADIENTS)} (auto: one bf16 "
@@ -392,6 +401,25 @@ def _check_workers(config: Config) -> None:
         )
 
 
+def resolve_renamed(config: Config) -> Config:
+    """The config with each renamed setting (`RENAMED_SETTINGS`) moved to its new name and the old one cleared;
+    both names given with different values are refused in one line."""
+    for old, (new, _) in RENAMED_SETTINGS.items():
+        value = getattr(config, old)
+        if not value:
+            continue
+        if getattr(config, new) not in (value, getattr(Config(), new)):
+            raise UsageError(f"--{old}={value} and --{new}={getattr(config, new)} disagree; give --{new} only")
+        config = config.replace(**{old: "", new: value})
+    return config
+
+
+def renamed_settings_given(config: Config) -> list[str]:
+    """One note per renamed setting the config still spells the old way (said where the run starts)."""
+    return [f"--{old}={getattr(config, old)} is now --{new}={getattr(config, old)} (the old name still works)"
+            for old, (new, _) in RENAMED_SETTINGS.items() if getattr(config, old)]
+
+
 def validate(config: Config) -> Config:
     """Checks a config without touching TensorFlow devices or the disk; returns it with
     the precision name made canonical (and capped to `SMOKE_LIMITS` with `--smoke`).
@@ -401,6 +429,7 @@ def validate(config: Config) -> Config:
     """
     precision = canonical_precision(config.precision)
     _check_fields(config)
+    config = resolve_renamed(config)
     _check_task_and_dataset(config)
     _check_workers(config)
     if config.warmup_epochs > config.epochs:
@@ -433,7 +462,7 @@ def load_json(path: str) -> Config:
     unknown = sorted(set(values) - known)
     if unknown:
         raise UsageError(f"{path}: unknown config keys {', '.join(unknown)}")
-    return Config(**values)
+    return resolve_renamed(Config(**values))
 
 
 def save_json(config: Config, path: str) -> None:

@@ -82,6 +82,7 @@ def _hooks() -> list[tuple[str, object, str]]:
     import tensorflow as tf
 
     from keras.src import tree as keras_tree
+    from tensorflow.python.saved_model import registration as saved_model_registration
 
     trainer = tensorflow_trainer()
     # Slot lists and the built variables exist on a built optimizer only (Keras 3.15 sets them in build()).
@@ -105,7 +106,9 @@ def _hooks() -> list[tuple[str, object, str]]:
              ("tf.__internal__.distribute", tf.__internal__.distribute, "strategy_supports_no_merge_call"),
              ("tf.__internal__.distribute", tf.__internal__.distribute, "interim"),
              ("tf.__internal__.distribute.interim", tf.__internal__.distribute.interim, "maybe_merge_call"),
-             ("MirroredStrategy", tf.distribute.MirroredStrategy, "_collective_key_base")]
+             ("MirroredStrategy", tf.distribute.MirroredStrategy, "_collective_key_base"),
+             ("tf.__internal__.tracking", tf.__internal__.tracking, "Trackable"),
+             ("tensorflow.python.saved_model.registration", saved_model_registration, "register_checkpoint_saver")]
     if isinstance(getattr(tf.distribute.MirroredStrategy, "_collective_key_base", None), int):
         fresh_collective_keys()  # this throwaway strategy's keys collide with no other's
     extended = tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")[:1]).extended
@@ -221,6 +224,27 @@ def optimizer_slot(optimizer: keras.optimizers.Optimizer, name: str, variable):
         if slots:
             return slots[variable_index(optimizer, variable)]
     raise KeyError(f"{type(optimizer).__name__} has no {name} slots")
+
+
+# ------------------------------------------------------------------ checkpoint extension points of TensorFlow
+
+
+def checkpoint_trackable_base():
+    """The base class of objects `tf.train.Checkpoint` tracks (`tf.__internal__.tracking.Trackable`): what an object
+    saved by a registered checkpoint saver derives from."""
+    import tensorflow as tf
+
+    return tf.__internal__.tracking.Trackable
+
+
+def register_checkpoint_saver(*, package: str, name: str, predicate, save_fn, restore_fn) -> None:
+    """TensorFlow's registered checkpoint savers (`tensorflow.python.saved_model.registration`; not exported as
+    `tf.*` in TF 2.21): objects passing `predicate` are written by `save_fn(trackables, file_prefix)` (tensor bundles
+    with SaveV2, merged into the checkpoint) and read by `restore_fn(trackables, merged_prefix)` (RestoreV2)."""
+    from tensorflow.python.saved_model import registration
+
+    registration.register_checkpoint_saver(package=package, name=name, predicate=predicate, save_fn=save_fn,
+                                           restore_fn=restore_fn)
 
 
 # ------------------------------------------------------------------ tf.distribute's collective launchers

@@ -14,7 +14,9 @@ would across machines:
 
 Each worker's output is streamed with a `[worker i]` prefix. If a worker exits with
 an error, the others are stopped (they would otherwise wait for it forever), and the
-launcher exits with the worst exit code. Only loopback addresses are ever used.
+launcher exits with the worst exit code. At the end it prints the largest worker's peak
+resident memory (`ru_maxrss` of the reaped workers): with one process per worker, that is
+the most memory any one replica's device needed. Only loopback addresses are ever used.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -99,6 +102,8 @@ def launch(num_workers: int, train_args: list[str], poll_seconds: float = 0.2) -
         except subprocess.TimeoutExpired:
             process.kill()
             codes.append(exit_code(process.wait()))
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
+    print(f"tfmp.launch: the largest worker's peak RSS: {peak / 2**30:.2f} GiB ({peak} bytes)", flush=True)
     failures = [code for index, code in enumerate(codes) if code and index not in stopped]
     return max(failures or codes)
 

@@ -110,7 +110,7 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
 
     Args:
         config: optimizer, learning rate and its scaling, epochs, warmup, weight decay, loss scale, and
-            `optimizer_sharding` (`zero1`: `tfmp.sharding.ZeroOneOptimizer` inside the loss scaling).
+            `sharding` (`zero1`: `tfmp.sharding.ZeroOneOptimizer` inside the loss scaling).
         steps_per_epoch: optimizer steps per epoch.
     """
     peak = scaled_learning_rate(config.learning_rate, config.global_batch_size, config.learning_rate_scaling)
@@ -124,7 +124,7 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
         optimizer = keras.optimizers.AdamW(schedule, weight_decay=config.weight_decay)
     if config.weight_decay and config.optimizer != "lars":
         optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY_NAMES))
-    if config.optimizer_sharding == "zero1":
+    if config.sharding == "zero1":
         optimizer = ZeroOneOptimizer(optimizer)
     return precision.wrap_optimizer(
         optimizer,

@@ -28,11 +28,16 @@ import csv
 import dataclasses
 import errno
 import json
+import logging
 import os
 import shutil
 import tempfile
 
-from tfmp.config import CHANGEABLE_AFTER_FAILURE, Config, UsageError, load_json, save_json, validate
+from tfmp import logs
+from tfmp.config import (CHANGEABLE_AFTER_FAILURE, Config, UsageError, load_json, renamed_settings_given, save_json,
+                         validate)
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.json"
@@ -255,6 +260,8 @@ def check_before_run(config: Config, workdir: str | RunDirectory) -> tuple[Confi
     Raises:
         UsageError: a bad config, or a workdir that cannot take this run.
     """
+    for note in renamed_settings_given(config):
+        logs.once(logger, logging.WARNING, note)
     config = validate(config)
     directory = as_run_directory(workdir)
     finished = None if config.dry_run else directory.finished_metrics(config)

@@ -41,7 +41,7 @@ def _memory_estimate(config: Config, data: tfmp_data.ImageData, runtime: Runtime
         # The same BatchNorm settings and checkpointing as training: both change what is kept.
         model = models.build_classifier(build_encoder(config, runtime, data.image_shape), data.num_classes)
         apply_float32_layers(model, config)
-    shards = runtime.num_replicas if config.optimizer_sharding == "zero1" else 1
+    shards = runtime.num_replicas if config.sharding == "zero1" else 1
     return memory.estimate_memory(model, data.image_shape, per_replica, config.optimizer, views=tasks.get(config.task).views,
                                   optimizer_shards=shards)
 
@@ -57,7 +57,7 @@ def memory_plan(config: Config, data: tfmp_data.ImageData, runtime: Runtime):
     if device_bytes is None:
         return None
     per_replica = distribute.per_replica_batch_size(config.global_batch_size, runtime.num_replicas)
-    replicas = runtime.num_replicas if config.optimizer_sharding == "none" else 1  # already sharded: nothing more to offer
+    replicas = runtime.num_replicas if config.sharding == "none" else 1  # already sharded: nothing more to offer
     result = planner.plan(lambda mode: _memory_estimate(config, data, runtime, mode), device_bytes, config.remat, per_replica,
                           replicas)
     distribute.set_seed(config.seed)

@@ -43,13 +43,22 @@ def sgd(weight, gradient, momentum, *, learning_rate, coefficient: float, nester
     return weight + momentum, momentum
 
 
-def lars(weight, gradient, momentum, *, learning_rate, coefficient: float, weight_decay: float, eta: float, adapts: bool):
+def lars_gradient(weight, gradient, *, weight_decay: float):
+    """The gradient LARS scales: L2 decay folded in (for an adapted variable)."""
+    return gradient + weight_decay * weight
+
+
+def lars(weight, gradient, momentum, *, learning_rate, coefficient: float, weight_decay: float, eta: float, adapts: bool,
+         norms=None):
     """LARS (You et al. 2017) as SimCLR's reference computes it: for an adapted variable the gradient with L2 decay
     folded in is scaled by the trust ratio `eta * |w| / |g + decay * w|`; then heavy-ball momentum.
-    Returns (weight, momentum)."""
+    `norms`: `(|w|, |g + decay * w|)` of the whole variable when `weight` and `gradient` are a shard of it (the
+    sharded step sums the squares across replicas). Returns (weight, momentum)."""
     if adapts:
-        gradient = gradient + weight_decay * weight
-        weight_norm, gradient_norm = ops.norm(ops.reshape(weight, [-1])), ops.norm(ops.reshape(gradient, [-1]))
+        gradient = lars_gradient(weight, gradient, weight_decay=weight_decay)
+        if norms is None:
+            norms = ops.norm(ops.reshape(weight, [-1])), ops.norm(ops.reshape(gradient, [-1]))
+        weight_norm, gradient_norm = norms
         trust = ops.where(ops.logical_and(weight_norm > 0, gradient_norm > 0), eta * weight_norm / gradient_norm,
                           ops.ones_like(weight_norm))
         gradient = gradient * trust
@@ -87,9 +96,10 @@ def check_supported(optimizer, what: str) -> None:
         raise ValueError(f"{what} does not support amsgrad=True ({type(optimizer).__name__}); use amsgrad=False")
 
 
-def update(optimizer, variable, weight, gradient, slots: dict, learning_rate, step):
+def update(optimizer, variable, weight, gradient, slots: dict, learning_rate, step, norms=None):
     """One step of `optimizer`'s rule for `variable`: (new weight, new slots by `slot_names`). `step` counts from 1;
-    weight decay is Keras' (its exclusions decided by `uses_weight_decay`, from `tfmp.keras_internals`)."""
+    weight decay is Keras' (its exclusions decided by `uses_weight_decay`, from `tfmp.keras_internals`). `weight`,
+    `gradient` and the slots may be a shard of the variable (flat); LARS then takes the whole variable's `norms`."""
     if not is_lars(optimizer) and getattr(optimizer, "weight_decay", None) and keras_internals.uses_weight_decay(optimizer, variable):
         weight = decoupled_weight_decay(weight, learning_rate=learning_rate, weight_decay=optimizer.weight_decay)
     if isinstance(optimizer, keras.optimizers.Adam):
@@ -98,7 +108,8 @@ def update(optimizer, variable, weight, gradient, slots: dict, learning_rate, st
         return weight, {"momentum": momentum, "velocity": velocity}
     if is_lars(optimizer):
         weight, momentum = lars(weight, gradient, slots["momentum"], learning_rate=learning_rate, coefficient=optimizer.momentum,
-                                weight_decay=optimizer.lars_weight_decay, eta=optimizer.eta, adapts=optimizer.adapts(variable))
+                                weight_decay=optimizer.lars_weight_decay, eta=optimizer.eta, adapts=optimizer.adapts(variable),
+                                norms=norms)
         return weight, {"momentum": momentum}
     weight, momentum = sgd(weight, gradient, slots.get("momentum"), learning_rate=learning_rate, coefficient=optimizer.momentum,
                            nesterov=optimizer.nesterov)

@@ -11,7 +11,7 @@ them) against the estimate's activations + gradients. For ResNet-18 (CIFAR) and 
 
     python experiments/benchmarks/memory_plan_check.py --replica_table
 
-prints instead the estimate's bytes per replica for 1, 2, 4 and 8 replicas with `--optimizer_sharding=zero1`, with
+prints instead the estimate's bytes per replica for 1, 2, 4 and 8 replicas with `--sharding=zero1`, with
 and without `--remat=blocks` (computed, nothing measured), the table in BUILD_NOTES.md.
 """
 

@@ -1,4 +1,4 @@
-"""What `--optimizer_sharding=zero1` costs and saves on 2 CPU replicas: step time side by side, and optimizer-state
+"""What `--sharding=zero1` costs and saves on 2 CPU replicas: step time side by side, and optimizer-state
 bytes per replica from where the variables are placed.
 
     python experiments/benchmarks/zero1_step_time.py --model=resnet18_cifar --batch=64 --steps=5 --rounds=3

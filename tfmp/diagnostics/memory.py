@@ -146,7 +146,7 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
         per_replica_batch: examples per replica per step.
         optimizer: name in `OPTIMIZER_SLOTS`.
         views: forward passes per example (2 for SimCLR's two views).
-        optimizer_shards: replicas the optimizer state is sharded over (`--optimizer_sharding=zero1`): each holds
+        optimizer_shards: replicas the optimizer state is sharded over (`--sharding=zero1`): each holds
             its share (whole variables, so up to the largest variable's state more than an even share).
     """
     params = sum(int(np.prod(v.shape)) * 4 for v in model.weights)

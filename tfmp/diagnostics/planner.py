@@ -9,7 +9,7 @@ names the first that fits, and the largest per-replica batch that fits with the 
 in step time, is measured in BUILD_NOTES.md, "Memory planner".
 
 Where the weights, gradients and optimizer state alone do not fit, it says so, and what sharding the optimizer state
-over the replicas (`--optimizer_sharding=zero1`) would leave; tfmp does not shard weights or gradients.
+over the replicas (`--sharding=zero1`) would leave; tfmp does not shard weights or gradients.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Plan:
     totals: dict[str, int]  # remat mode -> estimated bytes per replica at the run's batch (the modes `plan` needed)
     state_bytes: int  # weights + gradients + optimizer state: what no remat mode changes
     largest_batch: int  # the largest per-replica batch that fits with the run's own remat mode (0: none)
-    zero1_state_bytes: int = 0  # the state with the optimizer's sharded over the replicas (`--optimizer_sharding=zero1`)
+    zero1_state_bytes: int = 0  # the state with the optimizer's sharded over the replicas (`--sharding=zero1`)
 
     @property
     def usable_bytes(self) -> int:
@@ -81,7 +81,7 @@ class Plan:
                 REMAT_BY_COST.index(cheaper) < REMAT_BY_COST.index(self.remat)) else ""
             return f"memory plan: fits: {own} ({budget}){hint}"
         if self.state_bytes > self.usable_bytes:
-            sharding = (f"; --optimizer_sharding=zero1 would leave {readable_bytes(self.zero1_state_bytes)}"
+            sharding = (f"; --sharding=zero1 would leave {readable_bytes(self.zero1_state_bytes)}"
                         if self.zero1_state_bytes < self.state_bytes else "")
             return (f"memory plan: does not fit: weights, gradients and optimizer state alone take {readable_bytes(self.state_bytes)} "
                     f"({budget}){sharding}; tfmp does not shard weights or gradients (see BUILD_NOTES.md)")

@@ -1,0 +1,24 @@
+"""Sharding training state across replicas (ZeRO) on tf.distribute's own collectives.
+
+One module per concern:
+
+* `layout` — which replica holds what: every variable cut into equal chunks, one per replica, taken in buckets;
+* `collectives` — how each replica receives the summed gradients of its share (NCCL reduce-scatter on GPUs, an
+  all-reduce elsewhere);
+* `optimizer` — `ZeroOneOptimizer`, the step: each replica updates its chunks with the rules of `tfmp.update_rules`
+  and the updated weights are gathered to every replica, bucket by bucket;
+* `checkpoint_state` — the sharded state in checkpoints, written from where it lives, read into any layout.
+
+`STAGES` are the settings of `--sharding` (ZeRO's stage names). Built: `zero1` (optimizer state). Not built yet:
+`zero2` (gradients too) and `zero3` / FSDP (weights too) — BUILD_NOTES.md says what stands in the way.
+"""
+
+from tfmp.sharding.collectives import (GRADIENT_REDUCTIONS, AllReduceShares, NcclReduceScatter,
+                                       choose_gradient_reduction)
+from tfmp.sharding.layout import Layout
+from tfmp.sharding.optimizer import ZeroOneOptimizer
+
+STAGES = ("none", "zero1")
+
+__all__ = ["GRADIENT_REDUCTIONS", "STAGES", "AllReduceShares", "NcclReduceScatter", "Layout", "ZeroOneOptimizer",
+           "choose_gradient_reduction"]
