@@ -60,7 +60,7 @@ def test_each_rule_computes_what_the_optimizer_does(name):
 @pytest.mark.parametrize("optimizer, refused", [
     (lambda: keras.optimizers.Adam(amsgrad=True), "does not support amsgrad=True"),  # zero1 ran plain Adam, silently
     (lambda: keras.optimizers.AdamW(clipnorm=1.0), "does not support clipnorm"),
-    (lambda: keras.optimizers.SGD(global_clipnorm=1.0), "does not support global_clipnorm"),
+    (lambda: keras.optimizers.SGD(clipvalue=1.0), "does not support clipvalue"),  # global_clipnorm: the step's
     (lambda: keras.optimizers.SGD(use_ema=True), "does not support use_ema"),
     (lambda: keras.optimizers.RMSprop(), "supports AdamW, Adam, SGD and LARS, not RMSprop")])
 def test_an_option_the_rules_do_not_implement_is_refused_in_one_line(optimizer, refused):

@@ -8,6 +8,9 @@ Where things live:
     tfmp.data        dataset sources and input pipelines
     tfmp.models      encoders and classifiers
     tfmp.optimizers  optimizers and learning-rate schedules
+    tfmp.update_rules  each optimizer's step written once (LARS and the sharded step run it)
+    tfmp.clipping    gradient clipping by the global norm of the replicas' summed, unscaled gradient
+    tfmp.sharding    ZeRO: optimizer state sharded across replicas, its layout, collectives and checkpoints
     tfmp.callbacks   checkpoints/resume, telemetry, TensorBoard
     tfmp.config      the config schema, each setting's check, and its flags
     tfmp.registry    plug-ins by name: tasks, SSL methods, encoders, dataset sources
@@ -32,9 +35,10 @@ from tfmp import logs as _logs
 __version__ = "0.1.0"
 _logs.install_library_default()  # tfmp's choices are seen once even where nobody configured logging
 
-_SUBMODULES = ("bench", "callbacks", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware", "keras_internals",
-               "launch", "logs", "models", "optimizers", "precision", "registry", "report", "run_directory", "runtime", "sharding",
-               "ssl", "tasks", "tf_environment", "train", "training", "update_rules", "upstream", "workdir_lock")
+_SUBMODULES = ("bench", "callbacks", "clipping", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware",
+               "keras_internals", "launch", "logs", "models", "optimizers", "precision", "registry", "report", "run_directory",
+               "runtime", "sharding", "ssl", "tasks", "tf_environment", "train", "training", "update_rules", "upstream",
+               "workdir_lock")
 
 
 def __getattr__(name):

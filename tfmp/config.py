@@ -255,6 +255,9 @@ class Config:
     warmup_epochs: float = _field(1.0, "Linear learning-rate warmup, in epochs.", at_least_zero)
     optimizer: str = _field("adamw", f"Optimizer: {', '.join(OPTIMIZERS)}.", one_of(*OPTIMIZERS))
     weight_decay: float = _field(1e-4, "Decoupled weight decay.", at_least_zero)
+    global_clipnorm: float = _field(0.0, "Clip the gradient to this global norm (Keras' name), of the true gradient: summed "
+                                         "over the replicas and unscaled under fp16, alike on every replica (0: off).",
+                                    at_least_zero)
     remat: str = _field("none", f"Activation checkpointing: {', '.join(REMAT_MODES)} (blocks: recompute each residual "
                                 "or transformer block in the backward pass; full: also each ResNet stage around its blocks).",
                         one_of(*REMAT_MODES))

@@ -101,6 +101,7 @@ def _hooks() -> list[tuple[str, object, str]]:
              ("BatchNormalization", keras.layers.BatchNormalization, "_moments"),
              ("Optimizer", keras.optimizers.Optimizer, "_get_variable_index"),
              ("Optimizer", keras.optimizers.Optimizer, "_use_weight_decay"),
+             ("Optimizer (TensorFlow)", keras.optimizers.Optimizer, "_all_reduce_sum_gradients"),
              ("keras.src.tree", keras_tree, "register_tree_node_class"),
              ("tf", tf, "__internal__"),
              ("tf.__internal__.distribute", tf.__internal__.distribute, "strategy_supports_no_merge_call"),
@@ -224,6 +225,23 @@ def optimizer_slot(optimizer: keras.optimizers.Optimizer, name: str, variable):
         if slots:
             return slots[variable_index(optimizer, variable)]
     raise KeyError(f"{type(optimizer).__name__} has no {name} slots")
+
+
+def transform_after_reduction(optimizer: keras.optimizers.Optimizer, transform) -> None:
+    """Makes `optimizer` pass the replicas' summed gradients through `transform` (a function of the list of the
+    gradients present) before its update. Keras' TensorFlow optimizers sum them in `_all_reduce_sum_gradients`, which
+    `_backend_update_step` calls after `apply` has clipped each replica's own gradients; on one device the sum is
+    the gradient itself."""
+    reduce = optimizer._all_reduce_sum_gradients
+
+    def reduce_then_transform(grads_and_vars):
+        pairs = list(reduce(grads_and_vars))
+        present = [index for index, (gradient, _) in enumerate(pairs) if gradient is not None]
+        for index, gradient in zip(present, transform([pairs[index][0] for index in present])):
+            pairs[index] = (gradient, pairs[index][1])
+        return pairs
+
+    optimizer._all_reduce_sum_gradients = reduce_then_transform
 
 
 # ------------------------------------------------------------------ checkpoint extension points of TensorFlow

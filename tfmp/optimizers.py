@@ -17,7 +17,7 @@ import math
 import keras
 from keras import ops
 
-from tfmp import keras_internals, precision, update_rules
+from tfmp import clipping, keras_internals, precision, update_rules
 from tfmp.sharding import ZeroOneOptimizer
 from tfmp.config import LEARNING_RATE_SCALINGS
 
@@ -109,8 +109,9 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     Call inside the strategy scope, after `precision.set_policy`.
 
     Args:
-        config: optimizer, learning rate and its scaling, epochs, warmup, weight decay, loss scale, and
-            `sharding` (`zero1`: `tfmp.sharding.ZeroOneOptimizer` inside the loss scaling).
+        config: optimizer, learning rate and its scaling, epochs, warmup, weight decay, loss scale,
+            `global_clipnorm` (`tfmp.clipping`: after the replicas' sum) and `sharding` (`zero1`:
+            `tfmp.sharding.ZeroOneOptimizer` inside the loss scaling).
         steps_per_epoch: optimizer steps per epoch.
     """
     peak = scaled_learning_rate(config.learning_rate, config.global_batch_size, config.learning_rate_scaling)
@@ -125,7 +126,9 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     if config.weight_decay and config.optimizer != "lars":
         optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY_NAMES))
     if config.sharding == "zero1":
-        optimizer = ZeroOneOptimizer(optimizer)
+        optimizer = ZeroOneOptimizer(optimizer, global_clipnorm=config.global_clipnorm or None)
+    elif config.global_clipnorm:
+        optimizer = clipping.clip_after_reduction(optimizer, config.global_clipnorm)
     return precision.wrap_optimizer(
         optimizer,
         loss_scale=config.loss_scale,

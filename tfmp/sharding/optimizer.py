@@ -22,8 +22,11 @@ replica the wrapper applies the inner optimizer unchanged.
 Checkpoints hold the state layout-free, per variable, written from where each chunk lives and read back into any
 layout (`tfmp.sharding.checkpoint_state`), so a run resumes on another number of replicas.
 
+With `global_clipnorm` the step first sums every bucket (each replica keeps its chunks: 1/N of the gradients), then
+scales them by the global norm summed across replicas, then updates (`tfmp.clipping`).
+
 Not sharded: weights and gradients stay whole on every replica (ZeRO stages 2 and 3, FSDP). Limits (refused with
-one line where they apply, `update_rules.check_supported`): gradient clipping, EMA, gradient accumulation, AMSGrad,
+one line where they apply, `update_rules.check_supported`): per-tensor clipping, EMA, gradient accumulation, AMSGrad,
 and optimizers other than the three above.
 """
 
@@ -35,7 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import keras_internals, logs, update_rules
+from tfmp import clipping, keras_internals, logs, update_rules
 from tfmp.sharding import checkpoint_state
 from tfmp.sharding.collectives import choose_gradient_reduction
 from tfmp.sharding.layout import Layout
@@ -52,11 +55,18 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             learning rate (and its schedule) and the step count.
         gradient_reduction: how each replica receives its chunks' summed gradients: "auto" (NCCL reduce-scatter
             where every replica is a GPU, an all-reduce elsewhere), "all_reduce" or "reduce_scatter".
+        global_clipnorm: clip the summed gradient to this global norm (`tfmp.clipping`: the norm summed across every
+            replica's chunks); None takes the inner optimizer's own `global_clipnorm`.
     """
 
-    def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str = "zero1", **kwargs):
+    def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str = "zero1",
+                 global_clipnorm: float | None = None, **kwargs):
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self.gradient_reduction = gradient_reduction
+        # Clipping is the step's, after the sum; the inner optimizer would clip each replica's gradient (on one
+        # replica it runs unchanged: the clipping is done here before it).
+        self.global_clipnorm = global_clipnorm if global_clipnorm is not None else getattr(inner, "global_clipnorm", None)
+        inner.global_clipnorm = None
         update_rules.check_supported(inner, "sharding=zero1")
         self.slot_names = update_rules.slot_names(inner)
         # The per-replica buffers and the inner optimizer (whose slots exist on one replica only) are kept out of
@@ -138,6 +148,8 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         if self.replicas == 1:
+            if self.global_clipnorm:
+                grads = clipping.clip_by_global_norm(list(grads), self.global_clipnorm)
             self.inner.apply(grads, trainable_variables if trainable_variables is not None else self.variables_in_order)
             self.iterations.assign_add(1)  # the step count Keras and tfmp's callbacks read is this optimizer's
             return
@@ -151,8 +163,12 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         step = tf.cast(self.inner.iterations + 1, tf.float32)
         order = self.held.reduction.rank_order(context)
         states = {name: {} for name in self.slot_names}
-        for bucket in reversed(self.layout.buckets):  # the last layers' gradients are ready first
-            self._step_bucket(context, bucket, grads, order, learning_rate, step, states)
+        buckets = list(reversed(self.layout.buckets))  # the last layers' gradients are ready first
+        if self.global_clipnorm:  # the global norm needs every bucket's sum first: each replica keeps its chunks
+            owns = self._clipped(context, [self._reduce_bucket(context, bucket, grads, order) for bucket in buckets])
+        for position, bucket in enumerate(buckets):
+            own = owns[position] if self.global_clipnorm else self._reduce_bucket(context, bucket, grads, order)
+            self._update_bucket(context, bucket, own, grads, learning_rate, step, states)
         for name, buffer in self.buffers.items():
             buffer.assign(tf.concat([states[name][index] for index in range(len(grads))] + self._padding(), axis=0))
         self.inner.iterations.assign_add(1)
@@ -170,12 +186,22 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         used = sum(self.layout.chunks)
         return [tf.zeros([self.layout.elements - used])] if used < self.layout.elements else []
 
-    def _step_bucket(self, context, bucket, grads, order, learning_rate, step, states):
-        layout, variables = self.layout, self.variables_in_order
-        replica = context.replica_id_in_sync_group
+    def _reduce_bucket(self, context, bucket, grads, order):
+        """This replica's chunks of the bucket's gradients, summed over the replicas."""
         packed = tf.concat([self._chunked(grads[index], index) for index in bucket], axis=1)  # [replicas, bucket chunk]
         packed = tf.reshape(packed if order is None else tf.gather(packed, order), [-1])
-        own = self.held.reduction.own_chunk(context, packed, self.replicas)  # this replica's chunks, summed
+        return self.held.reduction.own_chunk(context, packed, self.replicas)
+
+    def _clipped(self, context, owns: list) -> list:
+        """Every replica's chunks scaled by `min(1, clipnorm / norm)`, the norm of the whole summed gradient."""
+        squares = tf.add_n([tf.reduce_sum(tf.square(own)) for own in owns])
+        norm = tf.sqrt(context.all_reduce(tf.distribute.ReduceOp.SUM, squares))
+        factor = self.global_clipnorm / tf.maximum(norm, self.global_clipnorm)
+        return [own * factor for own in owns]
+
+    def _update_bucket(self, context, bucket, own, grads, learning_rate, step, states):
+        layout, variables = self.layout, self.variables_in_order
+        replica = context.replica_id_in_sync_group
         starts = np.cumsum([0] + [layout.chunks[index] for index in bucket])
         weights = [tf.gather(self._chunked(variables[index].value, index), replica) for index in bucket]
         gradients = [own[start:start + layout.chunks[index]] for start, index in zip(starts, bucket)]
@@ -263,7 +289,7 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
 
     def get_config(self):
         return {"name": self.name, "inner": keras.saving.serialize_keras_object(self.inner),
-                "gradient_reduction": self.gradient_reduction}
+                "gradient_reduction": self.gradient_reduction, "global_clipnorm": self.global_clipnorm}
 
     @classmethod
     def from_config(cls, config):

@@ -1,0 +1,54 @@
+"""Gradient clipping by the global norm of the true gradient: after the cross-replica sum, unscaled, alike on every
+replica.
+
+Keras' `global_clipnorm` clips inside `Optimizer.apply`, which under tf.distribute runs on each replica before the
+replicas' gradients are summed (Keras 3.15, `base_optimizer.py`: `_clip_gradients` comes before
+`_backend_update_step`, whose `_all_reduce_sum_gradients` sums them): each replica clips its own partial gradient
+by its own norm, so with N replicas the threshold acts on a different vector than on one device, and the replicas
+scale by different factors. tfmp clips the summed gradient instead:
+
+* an unsharded optimizer: `clip_after_reduction(optimizer, global_clipnorm)` moves the clipping into the sum
+  (`keras_internals.transform_after_reduction`), so it costs no extra collective;
+* `ZeroOneOptimizer`: the sharded step clips each replica's chunks by the global norm summed across replicas
+  (`tfmp.sharding.optimizer`).
+
+Under fp16 the loss-scale optimizer checks the gradients (an overflow on any replica skips the step on all) and
+unscales them before the inner optimizer runs, so clipping sees the true gradient of a finite step only. The norm is
+computed in float32 (the gradients of float32 variables, which every mixed policy keeps).
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from tfmp import keras_internals
+
+
+def clip_by_global_norm(gradients: list, global_clipnorm: float) -> list:
+    """`gradients` scaled by `min(1, global_clipnorm / norm)`, the norm over all of them (None kept)."""
+    present = [gradient for gradient in gradients if gradient is not None]
+    if not present:
+        return list(gradients)
+    norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(gradient, "float32"))) for gradient in present))
+    factor = global_clipnorm / ops.maximum(norm, global_clipnorm)
+    return [None if gradient is None else gradient * ops.cast(factor, gradient.dtype) for gradient in gradients]
+
+
+def clip_after_reduction(optimizer: keras.optimizers.Optimizer, global_clipnorm: float | None = None):
+    """Makes `optimizer` clip by the global norm of the replicas' summed gradient; returns it.
+
+    Args:
+        optimizer: a Keras optimizer (AdamW, SGD, tfmp's LARS, ...), not yet wrapped for loss scaling.
+        global_clipnorm: the threshold; None takes the optimizer's own `global_clipnorm` (Keras' name), which is
+            then cleared so that Keras does not also clip each replica's gradient.
+    """
+    clipnorm = optimizer.global_clipnorm if global_clipnorm is None else global_clipnorm
+    if not clipnorm or clipnorm <= 0:
+        raise ValueError(f"global_clipnorm must be above 0, got {clipnorm}")
+    if getattr(optimizer, "clipnorm", None) or getattr(optimizer, "clipvalue", None):
+        raise ValueError(f"{type(optimizer).__name__} also clips per tensor (clipnorm / clipvalue); use one clipping")
+    optimizer.global_clipnorm = None
+    optimizer.clipped_after_reduction = float(clipnorm)
+    keras_internals.transform_after_reduction(optimizer, lambda gradients: clip_by_global_norm(gradients, clipnorm))
+    return optimizer
