@@ -47,6 +47,16 @@ def test_flags_the_launcher_owns_are_refused(tmp_path):
     assert result.returncode == 2 and "--strategy=mirrored is set by the launcher" in result.stderr
 
 
+@pytest.mark.parametrize("flag, said", [("--epochs=0", "epochs must be a positive integer, got 0"),
+                                         ("--no_such_flag=1", "Unknown command line flag 'no_such_flag'")])
+def test_a_bad_flag_is_said_once_by_the_launcher_before_any_worker_starts(tmp_path, flag, said):
+    """Each worker printed the same error after TensorFlow had started (twice with 2 workers)."""
+    result = _launch("--num_workers=2", flag, f"--workdir={tmp_path / 'run'}", timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [f"tfmp.launch: error: {result.stderr.split('error: ', 1)[1].strip()}"]
+    assert said in result.stderr and "[worker" not in result.stdout and not (tmp_path / "run").exists()
+
+
 DIGITS = ["--flagfile=experiments/digits_supervised.cfg", "--epochs=6", f"--precision={AUTO_PRECISION}"]
 
 

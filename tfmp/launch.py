@@ -123,6 +123,16 @@ def main(argv: list[str]) -> int:
     if bad and not script:
         print(f"tfmp.launch: error: {' '.join(bad)} is set by the launcher; remove it", file=sys.stderr)
         return 2
+    if not script:  # a bad flag is said once, here, rather than by every worker after TensorFlow has started
+        from tfmp import train
+        from tfmp.config import UsageError
+
+        command, _ = worker_command(train_args, [f"{LOOPBACK}:0"] * args.num_workers, 0)
+        try:
+            train.parse(["tfmp.train", *command[3:]])
+        except UsageError as error:
+            print(f"tfmp.launch: error: {error}", file=sys.stderr)
+            return 2
     return launch(args.num_workers, train_args)
 
 

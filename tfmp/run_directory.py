@@ -313,7 +313,7 @@ def logged_history(history_file: str) -> list[dict]:
         return []
 
 
-def set_aside(path: str, why: str) -> str:
+def set_aside(path: str) -> str:
     """Moves a damaged derived file to `<path>.damaged` (or `.damaged-2`, ...), keeping it for inspection; returns where."""
     aside, number = f"{path}.damaged", 1
     while os.path.exists(aside):

@@ -35,6 +35,21 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def parse(argv: list[str]) -> tuple[tfmp_config.Config, str]:
+    """The config and workdir `argv` (program name first) asks for; raises UsageError (one line) on a flag that is
+    unknown, malformed or out of range. Imports no TensorFlow (`tfmp.launch` checks its workers' flags with it)."""
+    try:
+        leftover = FLAGS(argv)
+    except flags.Error as error:
+        raise tfmp_config.UsageError(tfmp_config.flag_error_message(error)) from None
+    try:
+        if len(leftover) > 1:
+            raise tfmp_config.UsageError(f"unexpected arguments {' '.join(leftover[1:])}; flags take the form --name=value")
+        return tfmp_config.validate(tfmp_config.from_flags(FLAGS)), FLAGS.workdir
+    finally:
+        FLAGS.unparse_flags()  # so main() can be called again in one process (tests)
+
+
 def main(argv: list[str]) -> int:
     """Runs the CLI on `argv` (program name first) and returns the exit code."""
     logs.configure()  # first: absl's own logging.info would otherwise install Python's default format
@@ -42,18 +57,9 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m {PROGRAM} [--flagfile=FILE] [--name=value ...]\n\n{FLAGS.get_help()}")
         return 0
     try:
-        leftover = FLAGS(argv)
-    except flags.Error as error:
-        return _fail(tfmp_config.flag_error_message(error), 2)
-    if len(leftover) > 1:
-        return _fail(f"unexpected arguments {' '.join(leftover[1:])}; flags take the form --name=value", 2)
-
-    workdir = FLAGS.workdir
-    config = tfmp_config.from_flags(FLAGS)
-    FLAGS.unparse_flags()  # so main() can be called again in one process (tests)
-    # Input checks that need no TensorFlow run first: its start-up lines would
-    # otherwise bury the one-line error.
-    try:
+        config, workdir = parse(argv)
+        # Input checks that need no TensorFlow run first: its start-up lines would
+        # otherwise bury the one-line error.
         checked = check_before_run(config, workdir)
     except tfmp_config.UsageError as error:
         return _fail(str(error), 2)

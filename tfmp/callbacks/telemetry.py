@@ -75,7 +75,7 @@ class HistoryCSV(keras.callbacks.Callback):
         except DamagedHistory as damage:
             # Derived from the run, not its truth (the checkpoints are): set aside, and rebuilt from the epochs
             # TensorBoard logged, so a resumed run's History and metrics still see the earlier epochs.
-            aside = set_aside(self.path, str(damage))
+            aside = set_aside(self.path)
             self._earlier = history_from_tensorboard(self.tensorboard_directory) if self.tensorboard_directory else []
             if self._earlier:
                 _write_rows(self.path, self._earlier)
