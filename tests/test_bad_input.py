@@ -113,7 +113,7 @@ def test_the_largest_seed_and_a_warmup_of_the_whole_run_are_accepted():
     assert (smoke.epochs, smoke.warmup_epochs) == (2, 2.0)  # --smoke runs 2 epochs: its warmup fits in them
 
 
-def test_sharding_is_one_setting_and_its_previous_name_still_works(tmp_path):
+def test_sharding_is_one_setting_and_its_previous_name_still_works(tmp_path, caplog, monkeypatch):
     """`--optimizer_sharding=zero1` became `--sharding=zero1` (ZeRO's stage names); workdirs whose config.json
     spells the old name resume, and the two names given with different values are refused."""
     import json
@@ -131,6 +131,15 @@ def test_sharding_is_one_setting_and_its_previous_name_still_works(tmp_path):
         validate(Config(sharding="zero9"))
     with pytest.raises(UsageError, match=r"^unknown optimizer_sharding 'zero2'; valid: none, zero1$"):
         validate(Config(optimizer_sharding="zero2"))
+    from tfmp import logs, train
+
+    for say in (True, False):  # the CLI says it once; the launcher leaves it to its workers
+        monkeypatch.setattr(logs, "_SAID", set())
+        with caplog.at_level("WARNING", logger="tfmp.train"):
+            caplog.clear()
+            assert train.parse(["tfmp.train", "--optimizer_sharding=zero1"], say_renamed=say)[0].sharding == "zero1"
+        notes = [record.getMessage() for record in caplog.records if "is now --sharding" in record.getMessage()]
+        assert notes == (["--optimizer_sharding=zero1 is now --sharding=zero1 (the old name still works)"] if say else [])
     written_before = Config().to_dict()  # a config.json of a zero1 run written before the rename
     del written_before["sharding"]
     written_before["optimizer_sharding"] = "zero1"

@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
 
         command, _ = worker_command(train_args, [f"{LOOPBACK}:0"] * args.num_workers, 0)
         try:
-            train.parse(["tfmp.train", *command[3:]])
+            train.parse(["tfmp.train", *command[3:]], say_renamed=False)
         except UsageError as error:
             print(f"tfmp.launch: error: {error}", file=sys.stderr)
             return 2

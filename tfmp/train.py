@@ -9,6 +9,7 @@ to resume).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -35,9 +36,10 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def parse(argv: list[str]) -> tuple[tfmp_config.Config, str]:
+def parse(argv: list[str], say_renamed: bool = True) -> tuple[tfmp_config.Config, str]:
     """The config and workdir `argv` (program name first) asks for; raises UsageError (one line) on a flag that is
-    unknown, malformed or out of range. Imports no TensorFlow (`tfmp.launch` checks its workers' flags with it)."""
+    unknown, malformed or out of range. Imports no TensorFlow (`tfmp.launch` checks its workers' flags with it, and
+    leaves the note on a setting's previous name to the workers: `say_renamed=False`)."""
     try:
         leftover = FLAGS(argv)
     except flags.Error as error:
@@ -45,7 +47,10 @@ def parse(argv: list[str]) -> tuple[tfmp_config.Config, str]:
     try:
         if len(leftover) > 1:
             raise tfmp_config.UsageError(f"unexpected arguments {' '.join(leftover[1:])}; flags take the form --name=value")
-        return tfmp_config.validate(tfmp_config.from_flags(FLAGS)), FLAGS.workdir
+        config = tfmp_config.from_flags(FLAGS)
+        for note in tfmp_config.renamed_settings_given(config) if say_renamed else ():
+            logs.once(logging.getLogger(__name__), logging.WARNING, note)
+        return tfmp_config.validate(config), FLAGS.workdir
     finally:
         FLAGS.unparse_flags()  # so main() can be called again in one process (tests)
 
