@@ -3,7 +3,7 @@
 One module per concern:
 
 * `layout` — which replica holds what: every variable cut into equal chunks, one per replica, taken in buckets;
-* `collectives` — how each replica receives the summed gradients of its share (NCCL reduce-scatter on GPUs, an
+* `collectives` — how each replica receives the summed gradients of its chunks (NCCL reduce-scatter on GPUs, an
   all-reduce elsewhere);
 * `optimizer` — `ZeroOneOptimizer`, the step: each replica updates its chunks with the rules of `tfmp.update_rules`
   and the updated weights are gathered to every replica, bucket by bucket;

@@ -103,14 +103,14 @@ def _save_through_the_chief(identifier: str, optimizer, prefix) -> list:
     others write nothing (their checkpoints are not kept). At most one bucket of state is in flight."""
     strategy, layout = optimizer.held.strategy, optimizer.layout
     chief = strategy.extended.should_checkpoint
-    if optimizer.held.group_functions is None:
-        optimizer.held.group_functions = {}
+    if optimizer.held.bucket_gathers is None:
+        optimizer.held.bucket_gathers = {}
     prefixes = []
     for number, bucket in enumerate(layout.buckets):
-        function = optimizer.held.group_functions.get(number)
+        function = optimizer.held.bucket_gathers.get(number)
         if function is None:  # traced once per bucket, not at every save
             function = tf.function(lambda bucket=bucket: strategy.run(_gather_bucket, args=(optimizer, bucket)))
-            optimizer.held.group_functions[number] = function
+            optimizer.held.bucket_gathers[number] = function
         gathered = strategy.experimental_local_results(function())[0]  # per slot: [replicas, bucket chunk]
         if chief:
             names, tensors = [], []

@@ -1,4 +1,4 @@
-"""How each replica receives the summed gradients of its share: NCCL reduce-scatter where every replica is a GPU,
+"""How each replica receives the summed gradients of its chunks: NCCL reduce-scatter where every replica is a GPU,
 an all-reduce of which each replica keeps its chunk elsewhere (TensorFlow has no CPU or TPU reduce-scatter)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class AllReduceShares:
     name = "all_reduce"
 
     def rank_order(self, context):
-        """The global replica id whose share each chunk of the packed vector must hold; None: replica order."""
+        """The global replica id whose chunks each part of the packed vector must hold; None: replica order."""
         del context
         return None
 

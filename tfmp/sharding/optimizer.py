@@ -317,7 +317,7 @@ class _Untracked:
         self.layout: Layout | None = None
         self.pending: dict | None = None  # state restored before the optimizer was built
         self.gather = None  # traced functions, kept out of checkpoint tracking too
-        self.group_functions = None
+        self.bucket_gathers = None
 
 
 def _write_all(strategy, variables, values):
