@@ -185,3 +185,32 @@ def test_a_workdir_that_cannot_be_written(case, tmp_path, capsys):
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"tfmp.train: error: workdir {workdir} is ")
     assert "choose another --workdir" in lines[0]
     assert occupied.read_text() == "someone's notes"
+
+
+class MineMethod:  # a user's own SSL method as the registry sees it: its class names the settings it reads
+    settings = ("projection_dim", "temperature")
+
+
+def test_a_method_setting_the_task_does_not_read_is_refused_in_one_line(run_cli, tmp_path):
+    """`--task=byol --temperature=0.1` was accepted, recorded in config.json and silently ignored."""
+    from tfmp import registry
+    from tfmp.config import Config, UsageError
+    from tfmp.tasks.stage import check_method_settings
+
+    check_method_settings(Config(task="simclr", temperature=0.1))  # read by the task: accepted
+    check_method_settings(Config(task="byol", target_momentum=0.996))
+    with pytest.raises(UsageError, match=r"^--temperature applies to --task=simclr\|mocov3 only, not --task=byol; remove it$"):
+        check_method_settings(Config(task="byol", temperature=0.1))
+    with pytest.raises(UsageError, match=r"^--redundancy_weight applies to --task=barlow_twins only, not --task=supervised"):
+        check_method_settings(Config(task="supervised", redundancy_weight=0.1))
+    registry.SSL_METHODS.register("mine", f"{__name__}:MineMethod")  # a user's method is asked too
+    try:
+        check_method_settings(Config(task="mine", temperature=0.3))
+        with pytest.raises(UsageError, match=r"^--temperature applies to --task=simclr\|mocov3\|mine only"):
+            check_method_settings(Config(task="vicreg", temperature=0.3))
+    finally:
+        registry.SSL_METHODS.unregister("mine")
+    workdir = tmp_path / "run"
+    _one_line_error(run_cli(f"--workdir={workdir}", "--task=byol", "--temperature=0.1", "--dry_run"),
+                    "--temperature applies to --task=simclr|mocov3 only, not --task=byol; remove it")
+    assert not workdir.exists()

@@ -25,7 +25,7 @@ from tfmp.config import CHANGEABLE_AFTER_FAILURE, Config, UsageError, load_json,
 from tfmp.run_directory import RunDirectory, check_before_run
 from tfmp.runtime import Runtime, prepare
 from tfmp.tasks import TrainingFailed  # noqa: F401 — TrainingFailed is part of this module's API
-from tfmp.tasks.stage import apply_float32_layers, build_encoder
+from tfmp.tasks.stage import apply_float32_layers, build_encoder, check_method_settings
 from tfmp.workdir_lock import WorkdirLock
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ def run(config: Config, workdir: str | RunDirectory, *, extra_callbacks=(), chec
         print(f"already finished: {directory.metrics_file} (nothing to do)")
         return finished
 
+    check_method_settings(config)
     runtime = prepare(config)
     try:
         data = tfmp_data.load_for(config)

@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import models, precision
+from tfmp import models, precision, registry
 from tfmp.config import Config, UsageError
 from tfmp.diagnostics import flops
 from tfmp.run_directory import RunDirectory
@@ -202,6 +202,21 @@ def check_batch_fits(batch: int, count: int, what: str) -> None:
     """UsageError unless one global batch fits in `count` examples (`what` names them)."""
     if count // batch < 1:
         raise UsageError(f"global_batch_size {batch} exceeds the {count} {what}; lower --global_batch_size")
+
+
+def check_method_settings(config: Config) -> None:
+    """UsageError when a setting some SSL method reads (its class's `settings`) differs from its default but the
+    task does not read it: `--task=byol --temperature=0.1` was accepted and silently ignored. Every registered
+    method is asked, a user's own included."""
+    readers: dict[str, list[str]] = {}
+    for name in registry.SSL_METHODS.names():
+        for setting in registry.SSL_METHODS.entry(name).load().settings:
+            readers.setdefault(setting, []).append(name)
+    taken = registry.SSL_METHODS.entry(config.task).load().settings if config.task in registry.SSL_METHODS.names() else ()
+    defaults = Config()
+    for setting, methods in readers.items():
+        if setting not in taken and getattr(config, setting) != getattr(defaults, setting):
+            raise UsageError(f"--{setting} applies to --task={'|'.join(methods)} only, not --task={config.task}; remove it")
 
 
 def check_model_fits(config: Config, data) -> None:
