@@ -31,15 +31,17 @@ def test_exit_code_of_a_signalled_process():
 
 
 def test_a_failing_worker_fails_the_launch_with_its_code_and_prefixed_output(tmp_path):
-    result = _launch("--num_workers=2", f"--workdir={tmp_path / 'run'}", "--precision=fp8")
+    """A refusal only the workers can make (the images' size, known once the data is loaded; a bad flag is refused
+    by the launcher itself, below)."""
+    result = _launch("--num_workers=2", f"--workdir={tmp_path / 'run'}", "--model=resnet50", "--image_size=16")
     assert result.returncode == 2
-    assert "[worker 0] tfmp.train: error: unknown precision 'fp8'" in result.stdout or \
-        "[worker 1] tfmp.train: error: unknown precision 'fp8'" in result.stdout
+    refusal = "tfmp.train: error: model resnet50 needs images of at least 32px, got 16; set --image_size"
+    assert f"[worker 0] {refusal}" in result.stdout or f"[worker 1] {refusal}" in result.stdout, result.stdout[-2000:]
     # The first worker to fail stops the others (a dead peer would leave them blocked in a collective): the slower one
-    # may be stopped before it prints its own refusal (seen under load), but says nothing else.
-    worker_lines = [line for line in result.stdout.splitlines() if line.startswith("[worker ")]
-    assert worker_lines and all(line.endswith("tfmp.train: error: unknown precision 'fp8'; valid: float32, mixed_float16, "
-                                              "mixed_bfloat16, fp32, fp16, bf16, auto") for line in worker_lines), worker_lines
+    # may be stopped before it prints its own refusal (seen under load), but no worker says anything else went wrong.
+    errors = [line for line in result.stdout.splitlines() if line.startswith("[worker ") and "error" in line.lower()]
+    assert errors and all(refusal in line for line in errors), errors
+    assert "Traceback" not in result.stdout and not (tmp_path / "run" / "config.json").exists()
 
 
 def test_flags_the_launcher_owns_are_refused(tmp_path):
