@@ -12,6 +12,10 @@ scale by different factors. tfmp clips the summed gradient instead:
 * `ZeroOneOptimizer`: the sharded step clips each replica's chunks by the global norm summed across replicas
   (`tfmp.sharding.optimizer`).
 
+The clipping lives in the optimizer object, not in Keras' config of it: an optimizer saved into a `.keras` file says
+`global_clipnorm: None`, so call `clip_after_reduction` again on one loaded from a file. tfmp's own runs build their
+optimizer from `--global_clipnorm` at every start, so a resumed run clips as before.
+
 Under fp16 the loss-scale optimizer checks the gradients (an overflow on any replica skips the step on all) and
 unscales them before the inner optimizer runs, so clipping sees the true gradient of a finite step only. The norm is
 computed in float32 (the gradients of float32 variables, which every mixed policy keeps).
