@@ -131,15 +131,22 @@ def test_sharding_is_one_setting_and_its_previous_name_still_works(tmp_path, cap
         validate(Config(sharding="zero9"))
     with pytest.raises(UsageError, match=r"^unknown optimizer_sharding 'zero2'; valid: none, zero1$"):
         validate(Config(optimizer_sharding="zero2"))
-    from tfmp import logs, train
+    from tfmp import launch, logs, train
+    from tfmp.run_directory import check_before_run
 
-    for say in (True, False):  # the CLI says it once; the launcher leaves it to its workers
+    def notes_said(action):
         monkeypatch.setattr(logs, "_SAID", set())
-        with caplog.at_level("WARNING", logger="tfmp.train"):
+        with caplog.at_level("WARNING"):
             caplog.clear()
-            assert train.parse(["tfmp.train", "--optimizer_sharding=zero1"], say_renamed=say)[0].sharding == "zero1"
-        notes = [record.getMessage() for record in caplog.records if "is now --sharding" in record.getMessage()]
-        assert notes == (["--optimizer_sharding=zero1 is now --sharding=zero1 (the old name still works)"] if say else [])
+            result = action()
+        return result, [record.getMessage() for record in caplog.records if "is now --sharding" in record.getMessage()]
+
+    # The CLI says it once, where the run is checked; the launcher, which checks its workers' flags, leaves it to them.
+    checked, said = notes_said(lambda: check_before_run(*train.parse(["tfmp.train", "--optimizer_sharding=zero1",
+                                                                      f"--workdir={tmp_path / 'run'}"])))
+    assert checked[0].sharding == "zero1" and said == ["--optimizer_sharding=zero1 is now --sharding=zero1 (the old name still works)"]
+    code, said = notes_said(lambda: launch.main(["tfmp.launch", "--optimizer_sharding=zero1", "--epochs=0", "--workdir=x"]))
+    assert code == 2 and said == []
     written_before = Config().to_dict()  # a config.json of a zero1 run written before the rename
     del written_before["sharding"]
     written_before["optimizer_sharding"] = "zero1"

@@ -17,26 +17,16 @@ The clipping lives in the optimizer object, not in Keras' config of it: an optim
 optimizer from `--global_clipnorm` at every start, so a resumed run clips as before.
 
 Under fp16 the loss-scale optimizer checks the gradients (an overflow on any replica skips the step on all) and
-unscales them before the inner optimizer runs, so clipping sees the true gradient of a finite step only. The norm is
-computed in float32 (the gradients of float32 variables, which every mixed policy keeps).
+unscales them before the inner optimizer runs, so clipping sees the true gradient of a finite step only. The clipping
+itself is `tf.clip_by_global_norm`, on the gradients of float32 variables (which every mixed policy keeps).
 """
 
 from __future__ import annotations
 
 import keras
-from keras import ops
+import tensorflow as tf
 
 from tfmp import keras_internals
-
-
-def clip_by_global_norm(gradients: list, global_clipnorm: float) -> list:
-    """`gradients` scaled by `min(1, global_clipnorm / norm)`, the norm over all of them (None kept)."""
-    present = [gradient for gradient in gradients if gradient is not None]
-    if not present:
-        return list(gradients)
-    norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(gradient, "float32"))) for gradient in present))
-    factor = global_clipnorm / ops.maximum(norm, global_clipnorm)
-    return [None if gradient is None else gradient * ops.cast(factor, gradient.dtype) for gradient in gradients]
 
 
 def clip_after_reduction(optimizer: keras.optimizers.Optimizer, global_clipnorm: float | None = None):
@@ -54,5 +44,5 @@ def clip_after_reduction(optimizer: keras.optimizers.Optimizer, global_clipnorm:
         raise ValueError(f"{type(optimizer).__name__} also clips per tensor (clipnorm / clipvalue); use one clipping")
     optimizer.global_clipnorm = None
     optimizer.clipped_after_reduction = float(clipnorm)
-    keras_internals.transform_after_reduction(optimizer, lambda gradients: clip_by_global_norm(gradients, clipnorm))
+    keras_internals.transform_after_reduction(optimizer, lambda gradients: tf.clip_by_global_norm(gradients, clipnorm)[0])
     return optimizer

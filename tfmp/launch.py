@@ -125,11 +125,11 @@ def main(argv: list[str]) -> int:
         return 2
     if not script:  # a bad flag is said once, here, rather than by every worker after TensorFlow has started
         from tfmp import train
-        from tfmp.config import UsageError
+        from tfmp.config import UsageError, validate
 
         command, _ = worker_command(train_args, [f"{LOOPBACK}:0"] * args.num_workers, 0)
-        try:
-            train.parse(["tfmp.train", *command[3:]], say_renamed=False)
+        try:  # validated without the note on a setting's previous name: the workers say it
+            validate(train.parse(["tfmp.train", *command[3:]])[0])
         except UsageError as error:
             print(f"tfmp.launch: error: {error}", file=sys.stderr)
             return 2

@@ -9,7 +9,6 @@ to resume).
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -36,10 +35,9 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def parse(argv: list[str], say_renamed: bool = True) -> tuple[tfmp_config.Config, str]:
-    """The config and workdir `argv` (program name first) asks for; raises UsageError (one line) on a flag that is
-    unknown, malformed or out of range. Imports no TensorFlow (`tfmp.launch` checks its workers' flags with it, and
-    leaves the note on a setting's previous name to the workers: `say_renamed=False`)."""
+def parse(argv: list[str]) -> tuple[tfmp_config.Config, str]:
+    """The config and workdir `argv` (program name first) spells, not yet validated; raises UsageError (one line) on
+    a flag that is unknown or malformed. Imports no TensorFlow (`tfmp.launch` checks its workers' flags with it)."""
     try:
         leftover = FLAGS(argv)
     except flags.Error as error:
@@ -47,10 +45,7 @@ def parse(argv: list[str], say_renamed: bool = True) -> tuple[tfmp_config.Config
     try:
         if len(leftover) > 1:
             raise tfmp_config.UsageError(f"unexpected arguments {' '.join(leftover[1:])}; flags take the form --name=value")
-        config = tfmp_config.from_flags(FLAGS)
-        for note in tfmp_config.renamed_settings_given(config) if say_renamed else ():
-            logs.once(logging.getLogger(__name__), logging.WARNING, note)
-        return tfmp_config.validate(config), FLAGS.workdir
+        return tfmp_config.from_flags(FLAGS), FLAGS.workdir
     finally:
         FLAGS.unparse_flags()  # so main() can be called again in one process (tests)
 
@@ -62,10 +57,9 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m {PROGRAM} [--flagfile=FILE] [--name=value ...]\n\n{FLAGS.get_help()}")
         return 0
     try:
-        config, workdir = parse(argv)
         # Input checks that need no TensorFlow run first: its start-up lines would
-        # otherwise bury the one-line error.
-        checked = check_before_run(config, workdir)
+        # otherwise bury the one-line error (check_before_run validates, and notes a setting's previous name).
+        checked = check_before_run(*parse(argv))
     except tfmp_config.UsageError as error:
         return _fail(str(error), 2)
     config, directory, finished = checked

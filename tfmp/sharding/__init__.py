@@ -9,7 +9,7 @@ One module per concern:
   and the updated weights are gathered to every replica, bucket by bucket;
 * `checkpoint_state` — the sharded state in checkpoints, written from where it lives, read into any layout.
 
-`STAGES` are the settings of `--sharding` (ZeRO's stage names). Built: `zero1` (optimizer state). Not built yet:
+`--sharding` takes ZeRO's stage names (`tfmp.config.SHARDING_STAGES`). Built: `zero1` (optimizer state). Not built yet:
 `zero2` (gradients too) and `zero3` / FSDP (weights too) — BUILD_NOTES.md says what stands in the way.
 """
 
@@ -18,7 +18,5 @@ from tfmp.sharding.collectives import (GRADIENT_REDUCTIONS, AllReduceShares, Ncc
 from tfmp.sharding.layout import Layout
 from tfmp.sharding.optimizer import ZeroOneOptimizer
 
-STAGES = ("none", "zero1")
-
-__all__ = ["GRADIENT_REDUCTIONS", "STAGES", "AllReduceShares", "NcclReduceScatter", "Layout", "ZeroOneOptimizer",
+__all__ = ["GRADIENT_REDUCTIONS", "AllReduceShares", "NcclReduceScatter", "Layout", "ZeroOneOptimizer",
            "choose_gradient_reduction"]

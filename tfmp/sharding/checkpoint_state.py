@@ -155,30 +155,35 @@ def read_into(optimizer, prefix: str, identifier: str) -> None:
                 raise ValueError(f"the checkpoint's sharded optimizer state does not fit this model: {name} of variable "
                                  f"{index} ({variable.path}, {layout.sizes[index]} elements) is "
                                  f"{'missing' if stored is None else stored}")
-    if optimizer.replicas == 1:
-        names = [_key(identifier, name, index) for name in optimizer.slot_names for index in range(len(variables))]
-        values = iter(tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),
-                                           dtypes=[tf.float32] * len(names)))
+
+    def restore(name: str, ranges: list) -> list:
+        names = [_key(identifier, name, index) for index, _, _ in ranges]
+        slices = [f"{layout.sizes[index]} {start},{stop - start}" for index, start, stop in ranges]
+        values = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=names, shape_and_slices=slices, dtypes=[tf.float32] * len(names))
+        return [value.numpy() for value in values]
+
+    write_state(optimizer, restore)
+
+
+def write_state(optimizer, read) -> None:
+    """Writes into this process's replicas the state their layout gives them. `read(slot, ranges)` returns, for each
+    `(index, start, stop)` of `ranges`, elements `[start, stop)` of that variable's slot, flat (from a checkpoint's
+    slices, or from whole arrays)."""
+    layout, variables = optimizer.layout, optimizer.variables_in_order
+    if optimizer.replicas == 1:  # the inner optimizer's own slots, whole
         for name in optimizer.slot_names:
-            for variable in variables:
-                keras_internals.optimizer_slot(optimizer.inner, name, variable).assign(tf.reshape(next(values), variable.shape))
+            values = read(name, [(index, 0, size) for index, size in enumerate(layout.sizes)])
+            for variable, value in zip(variables, values):
+                keras_internals.optimizer_slot(optimizer.inner, name, variable).assign(np.reshape(value, variable.shape))
         return
     strategy = optimizer.held.strategy
     for name, buffer in optimizer.buffers.items():
         for replica, component in zip(local_replica_ids(strategy), strategy.experimental_local_results(buffer)):
-            names, slices, places = [], [], []
-            for index, size in enumerate(layout.sizes):
-                start, stop = layout.held_range(index, replica)
-                if stop > start:
-                    names.append(_key(identifier, name, index))
-                    slices.append(f"{size} {start},{stop - start}")
-                    places.append(layout.offsets[index])
+            ranges = [(index, *layout.held_range(index, replica)) for index in range(len(variables))]
+            ranges = [(index, start, stop) for index, start, stop in ranges if stop > start]
             content = np.zeros([layout.elements], np.float32)
-            if names:
-                values = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=names, shape_and_slices=slices,
-                                              dtypes=[tf.float32] * len(names))
-                for place, value in zip(places, values):
-                    content[place:place + value.shape[0]] = value.numpy()
+            for (index, _, _), value in zip(ranges, read(name, ranges) if ranges else []):
+                content[layout.offsets[index]:layout.offsets[index] + len(value)] = value
             component.assign(content)
 
 

@@ -38,7 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import clipping, keras_internals, logs, update_rules
+from tfmp import keras_internals, logs, update_rules
 from tfmp.sharding import checkpoint_state
 from tfmp.sharding.collectives import choose_gradient_reduction
 from tfmp.sharding.layout import Layout
@@ -149,7 +149,7 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             self.build(list(trainable_variables))
         if self.replicas == 1:
             if self.global_clipnorm:
-                grads = clipping.clip_by_global_norm(list(grads), self.global_clipnorm)
+                grads = tf.clip_by_global_norm(list(grads), self.global_clipnorm)[0]
             self.inner.apply(grads, trainable_variables if trainable_variables is not None else self.variables_in_order)
             self.iterations.assign_add(1)  # the step count Keras and tfmp's callbacks read is this optimizer's
             return
@@ -272,20 +272,8 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             self.held.pending = arrays
             return
         variables = self.variables_in_order
-        if self.replicas == 1:
-            for name in self.slot_names:
-                for index, variable in enumerate(variables):
-                    keras_internals.optimizer_slot(self.inner, name, variable).assign(_whole(arrays, name, index, variable))
-            return
-        strategy = self.held.strategy
-        for name, buffer in self.buffers.items():
-            for replica, component in zip(checkpoint_state.local_replica_ids(strategy), strategy.experimental_local_results(buffer)):
-                content = np.zeros([self.layout.elements], np.float32)
-                for index, variable in enumerate(variables):
-                    start, stop = self.layout.held_range(index, replica)
-                    offset = self.layout.offsets[index]
-                    content[offset:offset + stop - start] = _whole(arrays, name, index, variable).reshape(-1)[start:stop]
-                component.assign(content)
+        checkpoint_state.write_state(self, lambda name, ranges: [
+            _whole(arrays, name, index, variables[index]).reshape(-1)[start:stop] for index, start, stop in ranges])
 
     def get_config(self):
         return {"name": self.name, "inner": keras.saving.serialize_keras_object(self.inner),
