@@ -98,7 +98,12 @@ def test_an_image_size_the_model_cannot_take_names_the_resized_shape(run_cli, tm
     # Was accepted, recorded in config.json and silently trained as the default warmup (capped at the run's length).
     (["--warmup_epochs=1e9"], "warmup_epochs 1e+09 exceeds epochs 15: the learning rate would never reach --learning_rate; "
                               "use at most 15"),
-    (["--warmup_epochs=3.5", "--epochs=3"], "warmup_epochs 3.5 exceeds epochs 3")])
+    (["--warmup_epochs=3.5", "--epochs=3"], "warmup_epochs 3.5 exceeds epochs 3"),
+    (["--global_batch_size=128", "--gradient_accumulation_steps=3"], "gradient_accumulation_steps 3 does not divide "
+                                                                     "global_batch_size 128"),
+    (["--strategy=mirrored", "--num_cpu_devices=2", "--global_batch_size=132", "--gradient_accumulation_steps=4"],
+     "gradient_accumulation_steps 4 does not divide the per-replica batch of 66 examples into equal micro-batches; use "
+     "one of 1, 2, 3, 6, 11, 22, 33, 66")])
 def test_a_number_the_run_cannot_honour_is_refused_before_anything_runs(run_cli, tmp_path, flags, expected):
     workdir = tmp_path / "run"
     _one_line_error(run_cli(f"--workdir={workdir}", *flags), expected)

@@ -143,3 +143,14 @@ def test_the_resume_plan_keeps_the_epochs_and_steps_of_a_run_never_stopped(saved
     fits = resume_plan(saved, epochs=10, steps_per_epoch=11)
     steps = sum(steps * (epochs - (saved[0] if index == 0 else fits[index - 1][0])) for index, (epochs, steps, _) in enumerate(fits))
     assert saved[1] + steps == 110  # the resumed fits take exactly the steps left
+
+
+def test_a_run_taking_its_batches_in_micro_batches_stopped_mid_epoch_resumes_bit_for_bit():
+    """--gradient_accumulation_steps=4: a step is still one optimizer step over the whole batch, so a checkpoint falls
+    only between optimizer steps and the rerun ends as the run never stopped."""
+    report = _measure({"task": "supervised", "epochs": 2, "gradient_accumulation_steps": 4}, [15], "--deterministic")
+    assert report["steps"] == 22
+    [stop] = report["stops"]
+    assert stop["stopped"].startswith("stopped by SIGTERM at step 16: checkpoint saved"), stop
+    assert stop["steps"] == 22 and stop["checkpoint_difference"][0] == 0.0, stop
+    assert set(stop["metric_differences"]) <= {"achieved_gflops_per_second", "train_loss"}, stop

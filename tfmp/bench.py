@@ -63,7 +63,7 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
     if args.inter_op_threads:
         tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
 
-    from tfmp import keras_internals, models, precision
+    from tfmp import accumulation, keras_internals, models, precision
     from tfmp.diagnostics import memory
     from tfmp.data.augment import AugmentConfig
     from tfmp.data.pipeline import in_memory_options
@@ -83,7 +83,8 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
     encoder = models.build_encoder(args.model, shape, models.NormSettings(fused=not args.keras_batchnorm), remat=remat,
                                    conv_weight_gradient=runtime.conv_weight_gradient)
     if args.method == "simclr":
-        model = SimCLR(encoder, projection_dim=128, temperature=0.5, augment_config=AugmentConfig(blur_probability=0.0))
+        model = SimCLR(encoder, projection_dim=128, temperature=0.5, augment_config=AugmentConfig(blur_probability=0.0),
+                       gradient_accumulation_steps=args.gradient_accumulation_steps)
         model.build((None, *shape))
         # The PyTorch peer's optimizer: SGD with momentum and weight decay.
         model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)),
@@ -93,6 +94,7 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         model = models.build_classifier(encoder, 10)
         model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=runtime.keras_jit_compile)
+        accumulation.accumulate_gradients(model, args.gradient_accumulation_steps)
         views = 1
     rng = np.random.default_rng(args.seed)
     images = rng.random((batch, *shape), dtype=np.float32)
@@ -129,6 +131,7 @@ def run_one(args: argparse.Namespace, precision_name: str, remat: str) -> dict:
         "jit_compile": runtime.jit_compile,
         "threads": {"intra_op": args.intra_op_threads, "inter_op": args.inter_op_threads},
         "batch": batch,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "steps": args.steps,
         "repeats": args.repeats,
         "step_time_ms": round(1000 * median, 2),
@@ -150,6 +153,8 @@ def parse(argv):
     parser.add_argument("--model", default="resnet18_cifar")
     parser.add_argument("--method", default="simclr", choices=METHODS)
     parser.add_argument("--batch", type=int, default=64, help="images per step (SimCLR: two views each)")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                        help="micro-batches per step (tfmp.accumulation; SimCLR: gradient caching)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
@@ -185,9 +190,12 @@ def main(argv: list[str]) -> int:
                 raise config.UsageError(f"unknown remat mode {remat!r}; valid: {', '.join(config.REMAT_MODES)}")
         if args.model not in registry.ENCODERS:
             raise config.UsageError(f"unknown model {args.model!r}; valid: {', '.join(registry.ENCODERS.names())}")
-        for name in ("batch", "steps", "repeats"):
+        for name in ("batch", "steps", "repeats", "gradient_accumulation_steps"):
             if getattr(args, name) < 1:
                 raise config.UsageError(f"{name} must be a positive integer, got {getattr(args, name)}")
+        if args.batch % args.gradient_accumulation_steps:
+            raise config.UsageError(f"gradient_accumulation_steps {args.gradient_accumulation_steps} does not divide batch "
+                                    f"{args.batch}")
     except config.UsageError as error:
         print(f"tfmp.bench: error: {error}", file=sys.stderr)
         return 2

@@ -258,6 +258,10 @@ class Config:
     global_clipnorm: float = _field(0.0, "Clip the gradient to this global norm (Keras' name), of the true gradient: summed "
                                          "over the replicas and unscaled under fp16, alike on every replica (0: off).",
                                     at_least_zero)
+    gradient_accumulation_steps: int = _field(1, "Take each step's batch in this many micro-batches per replica (Keras' name; "
+                                                 "one optimizer step per batch, as without): a loss that couples the "
+                                                 "batch (simclr, mocov3, vicreg, barlow_twins) gets the whole batch's "
+                                                 "gradient by gradient caching.", positive_integer)
     remat: str = _field("none", f"Activation checkpointing: {', '.join(REMAT_MODES)} (blocks: recompute each residual "
                                 "or transformer block in the backward pass; full: also each ResNet stage around its blocks).",
                         one_of(*REMAT_MODES))
@@ -435,6 +439,9 @@ def validate(config: Config) -> Config:
     config = resolve_renamed(config)
     _check_task_and_dataset(config)
     _check_workers(config)
+    if config.global_batch_size % config.gradient_accumulation_steps:
+        raise UsageError(f"gradient_accumulation_steps {config.gradient_accumulation_steps} does not divide global_batch_size "
+                         f"{config.global_batch_size}; use a divisor of the per-replica batch")
     if config.warmup_epochs > config.epochs:
         raise UsageError(f"warmup_epochs {config.warmup_epochs:g} exceeds epochs {config.epochs}: the learning rate would never "
                          f"reach --learning_rate; use at most {config.epochs}")

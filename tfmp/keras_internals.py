@@ -16,6 +16,9 @@ hook — who uses it — why there is no public way:
   a variable, so the sharded update decays exactly what the unsharded one does.
 * `Adam._momentums`, `Adam._velocities` (AdamW's too; SGD's are public `momentums`) — `tfmp.sharding` — the slot
   variables of a variable, to move an optimizer's state into shards and back.
+* `Trainer._compute_loss`, `Trainer._loss_tracker` — `tfmp.accumulation.accumulating_train_step` — Keras'
+  default `train_step` in micro-batches: the same loss call (with or without a user's `training` argument) and the
+  same `loss` tracker the default step updates.
 * `keras.src.tree.register_tree_node_class` — `tfmp.callbacks.RunCallbacks` — `fit(callbacks=...)` flattens its
   argument with `keras.tree`, to which a list subclass is one leaf; Keras 3 exports no way to register one.
 * `vars(model)` (`model_attributes`) — `tfmp.callbacks.model_state` — the optimizers a model holds as attributes;
@@ -98,6 +101,7 @@ def _hooks() -> list[tuple[str, object, str]]:
              ("TensorFlowTrainer", trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
              ("TensorFlowTrainer", trainer.TensorFlowTrainer, "_symbolic_build"),
              ("Layer", keras.layers.Layer, "_flatten_layers"),
+             ("Model", keras.Model, "_compute_loss"), ("Model (an instance)", keras.Sequential(), "_loss_tracker"),
              ("BatchNormalization", keras.layers.BatchNormalization, "_moments"),
              ("Optimizer", keras.optimizers.Optimizer, "_get_variable_index"),
              ("Optimizer", keras.optimizers.Optimizer, "_use_weight_decay"),
@@ -385,6 +389,16 @@ def patch_multi_worker_trainer(symbolic_build, reduce_per_replica) -> None:
     reduce.tfmp_fix = True
     trainer.TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
     trainer.reduce_per_replica = reduce
+
+
+def compute_loss(model: keras.Model, x, y, y_pred, sample_weight):
+    """The loss Keras' default `train_step` computes (its `compute_loss`, with `training=True` where it takes it)."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+
+
+def loss_tracker(model: keras.Model):
+    """The `loss` metric Keras' default `train_step` updates (a compiled model's)."""
+    return model._loss_tracker
 
 
 def build_from_batch(model: keras.Model, data_batch) -> None:

@@ -13,7 +13,7 @@ import logging
 
 import tensorflow as tf
 
-from tfmp import compilation, distribute, precision
+from tfmp import accumulation, compilation, distribute, precision
 from tfmp.config import Config, UsageError
 from tfmp.models import conv
 
@@ -72,7 +72,8 @@ def prepare(config: Config) -> Runtime:
         strategy = distribute.get_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices or None, tpu=config.tpu or None,
                                            worker_hosts=hosts, task_index=config.task_index)
         precision.set_policy(config.precision)
-        distribute.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
+        per_replica = distribute.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
+        accumulation.check_steps(per_replica, config.gradient_accumulation_steps)
         runtime = Runtime.for_strategy(strategy, jit_compile=config.jit_compile, conv_weight_gradient=config.conv_weight_gradient)
     except (ValueError, RuntimeError) as error:
         raise UsageError(str(error)) from None

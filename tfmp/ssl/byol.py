@@ -29,6 +29,7 @@ class BYOL(MomentumTwoViewModel):
     """
 
     settings = ("projection_dim", "projection_hidden_dim", "target_momentum")
+    batch_coupled_loss = False  # a mean over examples: micro-batches accumulate their own losses
 
     def __init__(self, encoder: keras.Model, *, projection_dim: int = 128, projection_hidden_dim: int = 0,
                  norm: NormSettings = NormSettings(synchronized=True), **kwargs):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmp import compilation
+from tfmp import accumulation, compilation
 from tfmp.data import augment
 from tfmp.models.layers import NormSettings, batch_norm
 
@@ -52,15 +52,21 @@ class TwoViewModel(keras.Model):
         augment_config: augmentation strengths of the views.
         seed: the run seed augmentation streams derive from.
         total_steps: the run's optimizer steps (the length of a method's schedules).
+        gradient_accumulation_steps: micro-batches per replica and step (`tfmp.accumulation`): a loss that couples
+            the batch (`batch_coupled_loss`) gets the whole batch's gradient by gradient caching, any other the sum
+            of its micro-batches' losses.
     """
 
     metric_names: tuple[str, ...] = ()  # the method's own loss terms, tracked as metrics beside `loss`
+    # Whether the loss couples a batch's examples (negatives, batch statistics): accumulation then caches gradients.
+    batch_coupled_loss: bool = True
     settings: tuple[str, ...] = ()  # the `Config` fields the method reads: constructor arguments of the same names
 
     def __init__(self, encoder: keras.Model, *, num_classes: int = 0, augment_config: augment.AugmentConfig = augment.AugmentConfig(),
-                 seed: int = 0, total_steps: int = 1000, **kwargs):
+                 seed: int = 0, total_steps: int = 1000, gradient_accumulation_steps: int = 1, **kwargs):
         super().__init__(**kwargs)
         self.total_steps = total_steps
+        self.gradient_accumulation_steps = gradient_accumulation_steps
         self.encoder = encoder
         self.feature_dim = encoder.output_shape[-1]
         self.probe = keras.layers.Dense(num_classes, dtype="float32", name="online_probe") if num_classes else None
@@ -143,28 +149,75 @@ class TwoViewModel(keras.Model):
         first, second = self.views(images)
         batch = tf.shape(first)[0]
         targets = self.target_outputs(first, second)
-        context = tf.distribute.get_replica_context()
-        num_replicas = context.num_replicas_in_sync if context is not None else 1
-        probing = self.probe is not None and labels is not None
-        with tf.GradientTape() as tape:
-            features = self.encoder(tf.concat([first, second], axis=0), training=True)
-            loss, terms = self.ssl_loss(features, batch, targets)
-            total = loss
-            if probing:
-                probe_loss, logits, weights = self._probe_loss(features[:batch], labels)
-                total = total + probe_loss
-            # Keras sums gradients over replicas: scale each replica's loss by 1/N.
-            scaled = total / tf.cast(num_replicas, total.dtype)
-            if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-                scaled = self.optimizer.scale_loss(scaled)
+        labels = labels if self.probe is not None else None
+        views = tf.concat([first, second], axis=0)
         variables = self.trainable_variables
-        self.optimizer.apply(tape.gradient(scaled, variables), variables)
+        if self.gradient_accumulation_steps > 1 and self.batch_coupled_loss:
+            gradients = self._cached_gradients(views, batch, targets, labels, variables)
+        else:
+            gradients = self._accumulated_gradients(views, batch, targets, labels, variables)
+        self.optimizer.apply(gradients, variables)
         self.after_update()
+        return {metric.name: metric.result() for metric in self.metrics}
 
+    def _tracked_loss(self, features, batch, targets, labels) -> tf.Tensor:
+        """The method's loss plus the probe's on `features` (`[first; second]` of `batch` images), its metrics updated."""
+        loss, terms = self.ssl_loss(features, batch, targets)
         self.loss_tracker.update_state(loss)
         for name, value in terms.items():
             self.term_trackers[name].update_state(value)
-        if probing:
-            self.probe_loss_tracker.update_state(probe_loss)
-            self.probe_accuracy.update_state(tf.maximum(labels, 0), logits, sample_weight=weights)
-        return {metric.name: metric.result() for metric in self.metrics}
+        if labels is None:
+            return loss
+        probe_loss, logits, weights = self._probe_loss(features[:batch], labels)
+        self.probe_loss_tracker.update_state(probe_loss)
+        self.probe_accuracy.update_state(tf.maximum(labels, 0), logits, sample_weight=weights)
+        return loss + probe_loss
+
+    def _for_optimizer(self, loss: tf.Tensor) -> tf.Tensor:
+        """A replica's loss as the optimizer takes it: divided by the replicas (Keras sums their gradients), and scaled
+        under `mixed_float16`."""
+        context = tf.distribute.get_replica_context()
+        loss = loss / tf.cast(context.num_replicas_in_sync if context is not None else 1, loss.dtype)
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            loss = self.optimizer.scale_loss(loss)
+        return loss
+
+    def _accumulated_gradients(self, views, batch, targets, labels, variables) -> list:
+        """The gradient of the loss over `gradient_accumulation_steps` micro-batches, each with its own loss (the whole
+        batch's for a loss that is a mean over examples; `steps == 1`: the one batch)."""
+        steps = self.gradient_accumulation_steps
+        if steps == 1:
+            with tf.GradientTape() as tape:
+                features = self.encoder(views, training=True)
+                loss = self._for_optimizer(self._tracked_loss(features, batch, targets, labels))
+            return tape.gradient(loss, variables)
+        micro_views = accumulation.two_view_micro_batches(views, steps)
+        micro_targets = None if targets is None else tf.nest.map_structure(
+            lambda tensor: accumulation.two_view_micro_batches(tensor, steps), targets)
+        micro_labels = None if labels is None else accumulation.micro_batches(labels, steps)
+
+        def gradients_of(index):
+            micro_target = None if micro_targets is None else tf.nest.map_structure(lambda tensor: tensor[index], micro_targets)
+            with tf.GradientTape() as tape:
+                features = self.encoder(micro_views[index], training=True)
+                loss = self._tracked_loss(features, batch // steps, micro_target,
+                                          None if micro_labels is None else micro_labels[index])
+                loss = self._for_optimizer(loss / steps)
+            return tape.gradient(loss, variables)
+
+        return accumulation.sum_gradients(gradients_of, steps, variables)
+
+    def _cached_gradients(self, views, batch, targets, labels, variables) -> list:
+        """The whole batch's gradient by gradient caching (`tfmp.accumulation.cached_gradients`): the encoder in
+        micro-batches, the heads and the loss on the whole batch."""
+        steps = self.gradient_accumulation_steps
+        encoder_variables = self.encoder.trainable_variables
+        in_encoder = {id(variable) for variable in encoder_variables}
+        head_variables = [variable for variable in variables if id(variable) not in in_encoder]
+        encoder_gradients, head_gradients, _ = accumulation.cached_gradients(
+            lambda images: self.encoder(images, training=True), accumulation.two_view_micro_batches(views, steps), steps,
+            lambda features: (self._for_optimizer(self._tracked_loss(features, batch, targets, labels)), None),
+            encoder_variables, head_variables, replay=self.encoder, two_views=True)
+        by_variable = {id(variable): gradient for variable, gradient in
+                       zip([*encoder_variables, *head_variables], [*encoder_gradients, *head_gradients])}
+        return [by_variable[id(variable)] for variable in variables]

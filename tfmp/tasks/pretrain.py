@@ -68,7 +68,7 @@ def build_method(config: Config, data: tfmp_data.ImageData, runtime: Runtime, to
         encoder = build_encoder(config, runtime, data.image_shape)
         model = registry.SSL_METHODS.load(config.task).from_run_config(
             encoder, config, num_classes=data.num_classes, norm=norm, augment_config=augment_config(config), seed=config.seed,
-            total_steps=total_steps)
+            total_steps=total_steps, gradient_accumulation_steps=config.gradient_accumulation_steps)
         model.build((None, *data.image_shape))
         apply_float32_layers(model, config)
         steps_per_epoch = total_steps // config.epochs

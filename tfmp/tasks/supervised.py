@@ -12,7 +12,7 @@ import logging
 import keras
 
 from tfmp import data as tfmp_data
-from tfmp import compilation, models, optimizers, tasks
+from tfmp import accumulation, compilation, models, optimizers, tasks
 from tfmp.config import Config
 from tfmp.diagnostics import flops
 from tfmp.report import Phase, Phases
@@ -83,6 +83,9 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, runtime: Runtime, 
             compile_model(model)
         else:
             model = compiled.compile(model, compile_model)
+        # A batch reduced to a small labeled subset takes the most micro-batches up to --gradient_accumulation_steps
+        # that cut it evenly (it needs less memory than the batch the flag was chosen for).
+        accumulation.accumulate_gradients(model, largest_divisor_at_most(batch // replicas, config.gradient_accumulation_steps))
     def train():
         return tfmp_data.classification_pipeline(data.train, batch, training=True, seed=config.seed, indices=indices)
 

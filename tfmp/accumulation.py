@@ -1,0 +1,259 @@
+"""Gradient accumulation inside one optimizer step (`--gradient_accumulation_steps=K`), and gradient caching.
+
+**One `fit()` step is still one optimizer step over the whole global batch.** Inside the step each replica's batch is
+cut into K equal micro-batches that run one after another (a `tf.while_loop` with `parallel_iterations=1`; on
+several replicas of a strategy whose collectives need `merge_call`, which TensorFlow refuses inside control flow —
+MirroredStrategy off XLA-GPU, with synchronized BatchNorm or a loss's all-gather in the loop — K copies chained by
+control dependencies: either way only one micro-batch's activations are alive), and their gradients are summed in the variables' dtype (float32 under the
+mixed policies). The optimizer then sees the summed gradient once. So the data order, the augmentation draws (drawn
+for the whole batch before it is cut), the learning-rate schedule, the step count and the checkpoints are those of the
+run without accumulation — a checkpoint can only fall between optimizer steps, and a stop anywhere resumes exactly
+as any tfmp run does. Under fp16 the loss scale multiplies every micro-batch's loss alike and the
+`LossScaleOptimizer` decides about overflow once, on the accumulated gradient (an inf in any micro-batch on any
+replica skips the step on all), and moves the scale once; clipping (`tfmp.clipping`) and sharding
+(`tfmp.sharding`) see the accumulated, reduced gradient.
+
+Keras' own `gradient_accumulation_steps` (an optimizer option) works the other way round: each `fit()` step is a
+micro-batch, so epochs, schedules and checkpoints count micro-batches, a checkpoint can fall between them, and a
+`LossScaleOptimizer` checks and updates its scale on every micro-batch. tfmp refuses it under sharding
+(`tfmp.update_rules.UNSUPPORTED_OPTIONS`).
+
+**Losses that couple the examples of a batch** (SimCLR's and MoCo v3's negatives, VICReg's and Barlow Twins'
+statistics) are not the sum of per-micro-batch losses. For them `cached_gradients` is gradient caching (Gao et al.
+2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"): embed every micro-batch without a
+tape, compute the loss and its gradient with respect to the embeddings on the whole batch (the heads' gradients
+too), then run each micro-batch again under a tape and back-propagate its slice of that embedding gradient. The
+result is the whole batch's gradient (tests/test_accumulation.py checks it against one big batch). The encoder's
+non-trainable state (BatchNorm's moving statistics, random-seed state for dropout and drop path) is put back before
+the second pass, so the second pass draws the same random numbers and the state moves once per step.
+
+BatchNorm layers normalise each micro-batch with its own statistics (as unsynchronised BatchNorm does on each
+replica), so a network with BatchNorm in the accumulated part trains close to, not exactly as, the one big batch.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfmp import keras_internals
+
+
+def check_steps(per_replica_batch: int, steps: int) -> None:
+    """Raises ValueError, naming the valid choices, unless `steps` micro-batches cut `per_replica_batch` evenly."""
+    if steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be at least 1, got {steps}")
+    if per_replica_batch % steps:
+        divisors = [d for d in range(1, per_replica_batch + 1) if per_replica_batch % d == 0]
+        raise ValueError(f"gradient_accumulation_steps {steps} does not divide the per-replica batch of {per_replica_batch} "
+                         f"examples into equal micro-batches; use one of {', '.join(map(str, divisors))}")
+
+
+def micro_batches(tree, steps: int):
+    """Every tensor of `tree`, `[batch, ...]`, as `[steps, batch / steps, ...]` (micro-batch i is row i; None stays None)."""
+    def cut(tensor):
+        if tensor is None:
+            return None
+        tensor = tf.convert_to_tensor(tensor)
+        return tf.reshape(tensor, tf.concat([[steps, -1], tf.shape(tensor)[1:]], axis=0))
+    return tf.nest.map_structure(cut, tree)
+
+
+def two_view_micro_batches(tensor: tf.Tensor, steps: int) -> tf.Tensor:
+    """`[first view; second view]` of a batch, `[2 * batch, ...]`, as `[steps, 2 * batch / steps, ...]` where micro-batch i
+    is `[first view of its examples; second view of its examples]`: the layout a two-view loss reads."""
+    rest = tf.shape(tensor)[1:]
+    by_view = tf.reshape(tensor, tf.concat([[2, steps, -1], rest], axis=0))  # [view, micro-batch, example, ...]
+    by_micro_batch = tf.transpose(by_view, tf.concat([[1, 0], tf.range(2, tf.rank(by_view))], axis=0))
+    return tf.reshape(by_micro_batch, tf.concat([[steps, -1], rest], axis=0))
+
+
+def two_view_batch(micro: tf.Tensor, steps: int) -> tf.Tensor:
+    """The inverse of `two_view_micro_batches`: `[steps, 2 * m, ...]` back to `[first view; second view]` of the batch."""
+    rest = tf.shape(micro)[2:]
+    by_micro_batch = tf.reshape(micro, tf.concat([[steps, 2, -1], rest], axis=0))
+    by_view = tf.transpose(by_micro_batch, tf.concat([[1, 0], tf.range(2, tf.rank(by_micro_batch))], axis=0))
+    return tf.reshape(by_view, tf.concat([[-1], rest], axis=0))
+
+
+def _dense(gradient, variable) -> tf.Tensor:
+    """A gradient as a dense tensor of the variable's dtype; zeros for a variable the loss does not reach."""
+    if gradient is None:
+        return tf.zeros(variable.shape, variable.dtype)
+    return tf.convert_to_tensor(gradient)
+
+
+def _in_a_loop() -> bool:
+    """Whether the micro-batches may run in a `tf.while_loop`: not on several replicas whose collectives (synchronized
+    BatchNorm, a loss's all-gather) go through `merge_call`, which TensorFlow refuses inside control flow."""
+    context = tf.distribute.get_replica_context()
+    return context is None or context.num_replicas_in_sync == 1 or keras_internals.strategy_supports_no_merge_call()
+
+
+def _chained(function, steps: int, combine, start=None):
+    """`function(i)` for i = 0 .. steps - 1 as Python-unrolled copies, each starting after the previous one's result
+    (a control dependency), so one micro-batch is alive at a time; folded with `combine(previous, result)`."""
+    folded = start
+    for index in range(steps):
+        with tf.control_dependencies(tf.nest.flatten(folded) if folded is not None else []):
+            result = function(tf.constant(index))
+            folded = combine(folded, result)
+    return folded
+
+
+def sum_gradients(gradients_of, steps: int, variables: list) -> list[tf.Tensor]:
+    """`sum_i gradients_of(i)` for micro-batches i = 0 .. steps - 1, one after another.
+
+    Args:
+        gradients_of: micro-batch index (a scalar tensor) -> gradients of `variables` (None for one it does not reach).
+        steps: the number of micro-batches.
+        variables: what the gradients are taken with respect to.
+    """
+    def dense(gradients):
+        return [_dense(gradient, variable) for gradient, variable in zip(gradients, variables)]
+
+    if steps == 1:
+        return dense(gradients_of(tf.constant(0)))
+    if not _in_a_loop():
+        return _chained(gradients_of, steps,
+                        lambda total, gradients: dense(gradients) if total is None else
+                        [sum_ + gradient for sum_, gradient in zip(total, dense(gradients))])
+
+    def body(index, total):
+        gradients = gradients_of(index)
+        return index + 1, [sum_ + _dense(gradient, variable) for sum_, gradient, variable in zip(total, gradients, variables)]
+
+    zeros = [tf.zeros(variable.shape, variable.dtype) for variable in variables]
+    _, total = tf.while_loop(lambda index, _: index < steps, body, (tf.constant(0), zeros), parallel_iterations=1)
+    return total
+
+
+def map_micro_batches(function, micro: tf.Tensor, steps: int) -> tf.Tensor:
+    """`function` on each micro-batch of `micro` (`[steps, m, ...]`), one after another, stacked: `[steps, m', ...]`."""
+    if not _in_a_loop():
+        outputs = _chained(lambda index: function(micro[index]), steps,
+                           lambda outputs, output: [output] if outputs is None else [*outputs, output])
+        return tf.stack(outputs)
+
+    def body(index, outputs):
+        return index + 1, outputs.write(index, function(micro[index]))
+
+    first = function(micro[0])
+    outputs = tf.TensorArray(first.dtype, size=steps, element_shape=first.shape).write(0, first)
+    _, outputs = tf.while_loop(lambda index, _: index < steps, body, (tf.constant(1), outputs), parallel_iterations=1)
+    return outputs.stack()
+
+
+class StateReplay:
+    """Reads a network's non-trainable state (BatchNorm statistics, random-seed state) and puts it back, so that a
+    second pass over the same inputs computes what the first did and leaves the state as one pass would."""
+
+    def __init__(self, network: keras.layers.Layer):
+        self.variables = list(network.non_trainable_variables)
+        self.saved = [tf.identity(variable.value) for variable in self.variables]
+
+    def restore(self, after) -> None:
+        """Puts the saved state back once `after` (tensors of the first pass) is computed."""
+        with tf.control_dependencies(tf.nest.flatten(after)):
+            for variable, value in zip(self.variables, self.saved):
+                variable.assign(value)
+
+
+def cached_gradients(embed, micro_inputs: tf.Tensor, steps: int, embedding_loss, encoder_variables: list,
+                     other_variables: list, replay: keras.layers.Layer | None = None, *, two_views: bool = False):
+    """Gradient caching: the gradient of `embedding_loss(embed(whole batch))` with micro-batches of `embed` in memory.
+
+    Args:
+        embed: micro-batch inputs -> embeddings (the encoder, in training mode).
+        micro_inputs: `[steps, m, ...]`, from `micro_batches` or `two_view_micro_batches`.
+        steps: the number of micro-batches.
+        embedding_loss: embeddings of the whole batch, in the layout `micro_inputs` was cut from -> (loss to
+            differentiate, anything else to return). Its heads' variables are `other_variables`.
+        encoder_variables: the variables `embed` uses.
+        other_variables: the variables only `embedding_loss` uses (heads, probes).
+        replay: the network whose non-trainable state the second pass replays (see `StateReplay`).
+        two_views: `micro_inputs` came from `two_view_micro_batches` (the loss reads `[first; second]`).
+
+    Returns:
+        (gradients of `encoder_variables`, gradients of `other_variables`, the loss's extra outputs).
+    """
+    state = StateReplay(replay) if replay is not None else None
+    micro_embeddings = map_micro_batches(embed, micro_inputs, steps)
+    if state is not None:
+        state.restore(after=micro_embeddings)
+    whole = two_view_batch if two_views else _merge_micro_batches
+    with tf.GradientTape() as tape:
+        embeddings = whole(micro_embeddings, steps)
+        tape.watch(embeddings)
+        loss, extra = embedding_loss(embeddings)
+    embedding_gradient, *other_gradients = tape.gradient(loss, [embeddings, *other_variables])
+    micro_gradient = (two_view_micro_batches if two_views else micro_batches)(embedding_gradient, steps)
+
+    def gradients_of(index):
+        with tf.GradientTape() as tape:
+            micro_embedding = embed(micro_inputs[index])
+            # The surrogate's gradient with respect to the encoder is the cached embedding gradient, back-propagated.
+            surrogate = tf.reduce_sum(tf.cast(micro_embedding, tf.float32) * tf.cast(micro_gradient[index], tf.float32))
+        return tape.gradient(surrogate, encoder_variables)
+
+    encoder_gradients = sum_gradients(gradients_of, steps, encoder_variables)
+    return encoder_gradients, [_dense(g, v) for g, v in zip(other_gradients, other_variables)], extra
+
+
+def _merge_micro_batches(micro: tf.Tensor, steps: int) -> tf.Tensor:
+    return tf.reshape(micro, tf.concat([[-1], tf.shape(micro)[2:]], axis=0))
+
+
+def accumulating_train_step(model: keras.Model, steps: int):
+    """Keras' default `train_step` for a compiled `model`, taking each replica's batch in `steps` micro-batches.
+
+    The loss of each micro-batch (Keras' `compute_loss`, a mean over the micro-batch) is divided by `steps`, so the
+    summed gradient is the whole batch's for losses that average over examples; metrics and the loss tracker are
+    updated per micro-batch (their means are the batch's). Use through `accumulate_gradients`.
+    """
+    def train_step(data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        micro = micro_batches((x, y, sample_weight), steps)
+        variables = model.trainable_variables
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+
+        def gradients_of(index):
+            x_i, y_i, weight_i = tf.nest.map_structure(lambda tensor: None if tensor is None else tensor[index], micro)
+            with tf.GradientTape() as tape:
+                y_pred = model(x_i, training=True)
+                loss = keras_internals.compute_loss(model, x_i, y_i, y_pred, weight_i)
+                # compute_loss divided by the replicas (Keras sums their gradients); the tracker shows the undivided loss.
+                keras_internals.loss_tracker(model).update_state(
+                    loss * tf.cast(replicas, loss.dtype), sample_weight=tf.shape(tf.nest.flatten(x_i)[0])[0])
+                loss = model.optimizer.scale_loss(loss / steps)
+            gradients = tape.gradient(loss, variables)
+            model.compute_metrics(x_i, y_i, y_pred, sample_weight=weight_i)
+            return gradients
+
+        model.optimizer.apply(sum_gradients(gradients_of, steps, variables), variables)
+        return model.get_metrics_result()
+
+    train_step.accumulation_steps = steps
+    return train_step
+
+
+def accumulate_gradients(model: keras.Model, steps: int) -> keras.Model:
+    """Makes `model.fit()` take each step's batch in `steps` micro-batches (library use of the CLI's
+    `--gradient_accumulation_steps`); returns `model`. Call before `compile()` or after; `steps=1` restores the
+    plain step.
+
+    A model whose class defines its own `train_step` is refused: its step is the user's, and accumulating means
+    running its loss in micro-batches — `sum_gradients` (and `cached_gradients` for batch-coupled losses) are the
+    pieces to write it with.
+    """
+    if type(model).train_step is not keras.Model.train_step:
+        raise ValueError(f"{type(model).__name__} defines its own train_step; accumulate inside it with "
+                         "tfmp.accumulation.sum_gradients (or cached_gradients for a loss that couples the batch)")
+    if getattr(vars(model).get("train_step"), "accumulation_steps", 1) == steps:
+        return model  # as asked already: the traced step function stays
+    if steps == 1:
+        vars(model).pop("train_step", None)  # the class's own step again
+    else:
+        model.train_step = accumulating_train_step(model, steps)
+    model.train_function = None  # Keras traces its step function again at the next fit()
+    return model
