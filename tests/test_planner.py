@@ -60,12 +60,22 @@ def test_the_recommendation_changes_as_the_device_memory_shrinks(tmp_path, capsy
         plan = json.loads((workdir / "memory_estimate.json").read_text())["plan"]
         verdicts.append((plan["fits"], plan["cheapest_fitting_remat"], plan["summary"]))
         assert plan["summary"] in capsys.readouterr().out
-    # 8 GiB: fits as asked; 1.5 GiB: --remat=blocks; 600 MiB: no remat mode, a smaller batch; 100 MiB: the state alone.
+    # 8 GiB: fits as asked; 1.5 GiB: --remat=blocks or 2 micro-batches; 600 MiB: no remat mode, 8 micro-batches or a
+    # smaller batch; 100 MiB: the state alone.
     assert [verdict[:2] for verdict in verdicts] == [(True, "none"), (False, "blocks"), (False, None), (False, None)]
     assert verdicts[0][2].startswith("memory plan: fits: --remat=none at 256 images/replica")
-    assert "needs --remat=blocks" in verdicts[1][2]
-    assert re.search(r"needs at most \d+ images/replica with --remat=none$", verdicts[2][2]), verdicts[2][2]
+    assert "needs --remat=blocks" in verdicts[1][2] and "or --gradient_accumulation_steps=2 with --remat=none" in verdicts[1][2]
+    assert re.search(r"needs --gradient_accumulation_steps=8 with --remat=none \(\d+ MiB, the same global batch\) "
+                     r"or at most \d+ images/replica with --remat=none$", verdicts[2][2]), verdicts[2][2]
     assert "weights, gradients and optimizer state alone take" in verdicts[3][2]
+    # The run asked for with the micro-batches the plan named fits.
+    workdir = tmp_path / "micro-batches"
+    assert train.main(["tfmp.train", f"--workdir={workdir}", "--dry_run", "--model=resnet18_cifar", "--image_size=32",
+                       "--precision=float32", "--strategy=off", "--global_batch_size=256", "--device_memory=600MiB",
+                       "--gradient_accumulation_steps=8"]) == 0
+    estimate = json.loads((workdir / "memory_estimate.json").read_text())
+    assert estimate["plan"]["fits"] and estimate["gradient_accumulation_steps"] == 8
+    assert estimate["accumulator_bytes"] == 2 * estimate["gradients_bytes"]
 
 
 def test_a_run_predicted_not_to_fit_is_refused_and_writes_nothing_unless_told_to_ignore_it(tmp_path, capsys):

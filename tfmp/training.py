@@ -43,7 +43,7 @@ def _memory_estimate(config: Config, data: tfmp_data.ImageData, runtime: Runtime
         apply_float32_layers(model, config)
     shards = runtime.num_replicas if config.sharding == "zero1" else 1
     return memory.estimate_memory(model, data.image_shape, per_replica, config.optimizer, views=tasks.get(config.task).views,
-                                  optimizer_shards=shards)
+                                  optimizer_shards=shards, accumulation_steps=config.gradient_accumulation_steps)
 
 
 def memory_plan(config: Config, data: tfmp_data.ImageData, runtime: Runtime):
@@ -59,7 +59,7 @@ def memory_plan(config: Config, data: tfmp_data.ImageData, runtime: Runtime):
     per_replica = distribute.per_replica_batch_size(config.global_batch_size, runtime.num_replicas)
     replicas = runtime.num_replicas if config.sharding == "none" else 1  # already sharded: nothing more to offer
     result = planner.plan(lambda mode: _memory_estimate(config, data, runtime, mode), device_bytes, config.remat, per_replica,
-                          replicas)
+                          replicas, accumulation_steps=config.gradient_accumulation_steps)
     distribute.set_seed(config.seed)
     return result
 
@@ -75,7 +75,9 @@ def dry_run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, workdir
     if plan is not None:
         values["plan"] = {"device_bytes": plan.device_bytes, "usable_bytes": plan.usable_bytes, "fits": plan.fits,
                           "total_bytes_by_remat": plan.totals, "cheapest_fitting_remat": plan.cheapest_fitting,
-                          "largest_per_replica_batch": plan.largest_batch, "summary": plan.summary()}
+                          "largest_per_replica_batch": plan.largest_batch,
+                          "smallest_fitting_gradient_accumulation_steps": plan.smallest_fitting_accumulation,
+                          "summary": plan.summary()}
         print(plan.summary())
     workdir.write_memory_estimate(values)
     return values

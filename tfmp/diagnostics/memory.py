@@ -1,9 +1,12 @@
 """Memory estimate per replica, before training: will this model and batch fit?
 
-    total = params + gradients + optimizer state + activations
+    total = params + gradients + accumulator + optimizer state + activations
 
 * params, gradients: every variable is float32 under tfmp's policies (mixed policies
   keep float32 weights), gradients for the trainable ones;
+* accumulator: with `--gradient_accumulation_steps=K` > 1, two gradient sizes beside one micro-batch's own: the
+  running sum and the next sum formed from it (measured: ResNet-18 at batch 256 with K=4 peaks two gradient sizes
+  above the batch-64 step, BUILD_NOTES.md); the activations are then one micro-batch's;
 * optimizer state: slots per trainable value (AdamW 2, SGD/LARS momentum 1);
 * activations: what the backward pass keeps, read from the training step's own graph. The
   forward and backward pass of the model are traced (never run) at a batch of 1 and of 2, and
@@ -47,19 +50,25 @@ class MemoryEstimate:
     params_bytes: int
     gradients_bytes: int
     optimizer_bytes: int
-    activations_bytes: int
+    activations_bytes: int  # one micro-batch's with gradient accumulation
+    accumulator_bytes: int = 0  # the running sum of the micro-batches' gradients and the next (0 without accumulation)
+    gradient_accumulation_steps: int = 1
+    fixed_activations_bytes: int = 0  # the part of the activations no batch size changes (16-bit weight copies)
 
     @property
     def total_bytes(self) -> int:
-        return self.params_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+        return self.params_bytes + self.gradients_bytes + self.accumulator_bytes + self.optimizer_bytes + self.activations_bytes
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "total_bytes": self.total_bytes}
 
     def summary(self) -> str:
         mib = 1 << 20
-        return (f"memory per replica ({self.precision}, batch {self.per_replica_batch}): "
-                f"params {self.params_bytes / mib:.1f} MiB, gradients {self.gradients_bytes / mib:.1f} MiB, "
+        steps = self.gradient_accumulation_steps
+        batch = f"batch {self.per_replica_batch}" + (f" in {steps} micro-batches" if steps > 1 else "")
+        accumulator = f", accumulator {self.accumulator_bytes / mib:.1f} MiB" if self.accumulator_bytes else ""
+        return (f"memory per replica ({self.precision}, {batch}): "
+                f"params {self.params_bytes / mib:.1f} MiB, gradients {self.gradients_bytes / mib:.1f} MiB{accumulator}, "
                 f"optimizer {self.optimizer_bytes / mib:.1f} MiB, activations {self.activations_bytes / mib:.1f} MiB, "
                 f"total {self.total_bytes / mib:.1f} MiB")
 
@@ -137,7 +146,7 @@ def activation_bytes(model: keras.Model, input_shape: tuple[int, ...]) -> tuple[
 
 
 def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replica_batch: int, optimizer: str = "adamw",
-                    views: int = 1, optimizer_shards: int = 1) -> MemoryEstimate:
+                    views: int = 1, optimizer_shards: int = 1, accumulation_steps: int = 1) -> MemoryEstimate:
     """Estimates one replica's training memory.
 
     Args:
@@ -147,12 +156,14 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
         optimizer: name in `OPTIMIZER_SLOTS`.
         views: forward passes per example (2 for SimCLR's two views).
         optimizer_shards: replicas the optimizer state is sharded over (`--sharding=zero1`): each holds
-            its share (whole variables, so up to the largest variable's state more than an even share).
+            its share (an equal chunk of every variable, the last padded).
+        accumulation_steps: micro-batches per step (`--gradient_accumulation_steps`): the activations are one
+            micro-batch's, plus two gradient sizes (the running sum and the next).
     """
     params = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
     trainable = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
     per_example, fixed = activation_bytes(model, input_shape)
-    activations = per_example * per_replica_batch * views + fixed
+    activations = per_example * (per_replica_batch // accumulation_steps) * views + fixed
     return MemoryEstimate(
         precision=precision.global_policy_name(),
         per_replica_batch=per_replica_batch,
@@ -160,6 +171,9 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
         gradients_bytes=trainable,
         optimizer_bytes=-(-trainable * OPTIMIZER_SLOTS.get(optimizer, 2) // optimizer_shards),
         activations_bytes=activations,
+        accumulator_bytes=2 * trainable if accumulation_steps > 1 else 0,
+        gradient_accumulation_steps=accumulation_steps,
+        fixed_activations_bytes=fixed,
     )
 
 

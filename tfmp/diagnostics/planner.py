@@ -3,7 +3,9 @@
 Given a device's memory (`--device_memory=16GiB`, read by `tfmp.config.parse_memory_size`, or the GPU's own where
 `nvidia-smi` reports it), the planner estimates each activation-checkpointing mode (`tfmp.diagnostics.memory`) in
 the order of its cost in step time — `none`, then `blocks` (one extra forward pass of each block), then `full` — and
-names the first that fits, and the largest per-replica batch that fits with the run's own mode. A configuration
+names the first that fits, the largest per-replica batch that fits with the run's own mode, and the fewest
+micro-batches (`--gradient_accumulation_steps`, the same global batch in one optimizer step) that fit with it:
+activations scale with the micro-batch, and accumulating adds two gradient sizes (the running sum and the next). A configuration
 *fits* when its estimate is at most `USABLE_FRACTION` of the device: the estimate leaves out framework workspace
 (cuDNN, XLA, allocator fragmentation). How close the estimate comes to the allocator's peak, and what remat costs
 in step time, is measured in BUILD_NOTES.md, "Memory planner".
@@ -57,6 +59,13 @@ class Plan:
     state_bytes: int  # weights + gradients + optimizer state: what no remat mode changes
     largest_batch: int  # the largest per-replica batch that fits with the run's own remat mode (0: none)
     zero1_state_bytes: int = 0  # the state with the optimizer's sharded over the replicas (`--sharding=zero1`)
+    accumulation_steps: int = 1  # the run's `--gradient_accumulation_steps`
+    accumulation_totals: dict[int, int] = dataclasses.field(default_factory=dict)  # steps -> bytes, the run's remat mode
+
+    @property
+    def smallest_fitting_accumulation(self) -> int:
+        """The fewest micro-batches that fit with the run's remat mode (0: none does, even one example each)."""
+        return next((steps for steps, total in sorted(self.accumulation_totals.items()) if total <= self.usable_bytes), 0)
 
     @property
     def usable_bytes(self) -> int:
@@ -79,6 +88,10 @@ class Plan:
             cheaper = self.cheapest_fitting
             hint = f"; --remat={cheaper} also fits ({readable_bytes(self.totals[cheaper])}) and is faster" if (
                 REMAT_BY_COST.index(cheaper) < REMAT_BY_COST.index(self.remat)) else ""
+            steps = self.smallest_fitting_accumulation
+            if steps < self.accumulation_steps:
+                hint += (f"; --gradient_accumulation_steps={steps} also fits "
+                         f"({readable_bytes(self.accumulation_totals[steps])}) and is faster")
             return f"memory plan: fits: {own} ({budget}){hint}"
         if self.state_bytes > self.usable_bytes:
             sharding = (f"; --sharding=zero1 would leave {readable_bytes(self.zero1_state_bytes)}"
@@ -87,16 +100,23 @@ class Plan:
                     f"({budget}){sharding}; tfmp does not shard weights or gradients (see BUILD_NOTES.md)")
         cheaper = self.cheapest_fitting
         options = [f"--remat={cheaper} ({readable_bytes(self.totals[cheaper])})"] if cheaper else []
+        steps = self.smallest_fitting_accumulation
+        if steps:
+            options.append(f"--gradient_accumulation_steps={steps} with --remat={self.remat} "
+                           f"({readable_bytes(self.accumulation_totals[steps])}, the same global batch)")
         if self.largest_batch:
             options.append(f"at most {self.largest_batch} images/replica with --remat={self.remat}")
         return f"memory plan: does not fit: {own} ({budget}); needs {' or '.join(options) or 'a smaller model'}"
 
 
-def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_replica_batch: int, replicas: int = 1) -> Plan:
-    """Plans from `estimate(remat_mode) -> MemoryEstimate` (built at the run's per-replica batch and sharding).
+def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_replica_batch: int, replicas: int = 1,
+         accumulation_steps: int = 1) -> Plan:
+    """Plans from `estimate(remat_mode) -> MemoryEstimate` (built at the run's per-replica batch, sharding and
+    micro-batches).
 
     Each estimate builds and traces the model, so modes are estimated only as far as the verdict needs: the run's
-    own, then in order of cost until one fits (none when the state alone does not fit)."""
+    own, then in order of cost until one fits (none when the state alone does not fit). Micro-batch counts are
+    scaled from the run's own estimate: every divisor of the per-replica batch from the run's count up."""
     own = estimate(remat)
     totals = {remat: own.total_bytes}
     state = own.params_bytes + own.gradients_bytes + own.optimizer_bytes
@@ -107,8 +127,18 @@ def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_r
                 totals[mode] = estimate(mode).total_bytes
             if totals[mode] <= usable:
                 break
-    per_example = own.activations_bytes / max(per_replica_batch, 1)
-    room = usable - state
-    largest = int(room // per_example) if per_example and room > 0 else 0
+    micro_batch = max(per_replica_batch // accumulation_steps, 1)
+    per_example = own.activations_bytes / micro_batch  # the fixed part counted per example too: errs on the safe side
+    accumulator = 2 * own.gradients_bytes  # the running sum and the next, with more than one micro-batch
+    room = usable - state - (accumulator if accumulation_steps > 1 else 0)
+    largest = int(room // per_example) * accumulation_steps if per_example and room > 0 else 0
     zero1_state = own.params_bytes + own.gradients_bytes + -(-own.optimizer_bytes // replicas)
-    return Plan(device_bytes, remat, per_replica_batch, totals, state, max(0, largest), zero1_state)
+    # Other micro-batch counts from the run's estimate: its per-example activations scaled, the fixed part kept.
+    fixed = own.fixed_activations_bytes
+    per_micro_example = (own.activations_bytes - fixed) / micro_batch
+    without_activations = own.total_bytes - own.activations_bytes - own.accumulator_bytes
+    accumulation_totals = {steps: without_activations + (accumulator if steps > 1 else 0) + fixed
+                           + int(per_micro_example * per_replica_batch / steps)
+                           for steps in range(1, per_replica_batch + 1) if per_replica_batch % steps == 0}
+    return Plan(device_bytes, remat, per_replica_batch, totals, state, max(0, largest), zero1_state, accumulation_steps,
+                accumulation_totals)
