@@ -154,3 +154,13 @@ def test_a_run_taking_its_batches_in_micro_batches_stopped_mid_epoch_resumes_bit
     assert stop["stopped"].startswith("stopped by SIGTERM at step 16: checkpoint saved"), stop
     assert stop["steps"] == 22 and stop["checkpoint_difference"][0] == 0.0, stop
     assert set(stop["metric_differences"]) <= {"achieved_gflops_per_second", "train_loss"}, stop
+
+
+@pytest.mark.slow  # ~25 s
+def test_a_run_killed_with_sigkill_restores_its_moving_average_exactly():
+    """--ema_momentum: the average is optimizer state, in every checkpoint; the rerun after kill -9 ends with the
+    average (and everything else) of the run never stopped."""
+    overrides = {"task": "supervised", "epochs": 2, "ema_momentum": 0.9, "checkpoint_every_steps": 5}
+    [killed] = _measure(overrides, [13], "--deterministic", "--signal=KILL")["stops"]  # after the epoch-end checkpoint (11)
+    assert killed["resumed_from_step"] == 11 and killed["steps"] == 22 and killed["checkpoint_difference"][0] == 0.0, killed
+    assert "ema_eval_accuracy" not in killed["metric_differences"], killed

@@ -258,6 +258,8 @@ class Config:
     global_clipnorm: float = _field(0.0, "Clip the gradient to this global norm (Keras' name), of the true gradient: summed "
                                          "over the replicas and unscaled under fp16, alike on every replica (0: off).",
                                     at_least_zero)
+    ema_momentum: float = _field(0.0, "Keep an exponential moving average of the weights with this momentum (Keras' name, "
+                                      "e.g. 0.999; 0: off): evaluated and exported beside the trained weights.", momentum)
     gradient_accumulation_steps: int = _field(1, "Take each step's batch in this many micro-batches per replica (Keras' name; "
                                                  "one optimizer step per batch, as without): a loss that couples the "
                                                  "batch (simclr, mocov3, vicreg, barlow_twins) gets the whole batch's "
@@ -439,6 +441,9 @@ def validate(config: Config) -> Config:
     config = resolve_renamed(config)
     _check_task_and_dataset(config)
     _check_workers(config)
+    if config.ema_momentum and config.sharding != "none":
+        raise UsageError(f"--ema_momentum is not built for --sharding={config.sharding} yet (the sharded step keeps no "
+                         "average); use --sharding=none with it")
     if config.global_batch_size % config.gradient_accumulation_steps:
         raise UsageError(f"gradient_accumulation_steps {config.gradient_accumulation_steps} does not divide global_batch_size "
                          f"{config.global_batch_size}; use a divisor of the per-replica batch")

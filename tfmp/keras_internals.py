@@ -19,6 +19,8 @@ hook — who uses it — why there is no public way:
 * `Trainer._compute_loss`, `Trainer._loss_tracker` — `tfmp.accumulation.accumulating_train_step` — Keras'
   default `train_step` in micro-batches: the same loss call (with or without a user's `training` argument) and the
   same `loss` tracker the default step updates.
+* `Optimizer._model_variables_moving_average`, `Optimizer._trainable_variables` — `tfmp.averaging` — the average
+  Keras' `use_ema` keeps, and the variables it belongs to (in the same order), to evaluate and export it.
 * `keras.src.tree.register_tree_node_class` — `tfmp.callbacks.RunCallbacks` — `fit(callbacks=...)` flattens its
   argument with `keras.tree`, to which a list subclass is one leaf; Keras 3 exports no way to register one.
 * `vars(model)` (`model_attributes`) — `tfmp.callbacks.model_state` — the optimizers a model holds as attributes;
@@ -91,11 +93,14 @@ def _hooks() -> list[tuple[str, object, str]]:
     # Slot lists and the built variables exist on a built optimizer only (Keras 3.15 sets them in build()).
     variables = [keras.Variable([1.0])]
     adam, scaled = keras.optimizers.Adam(), keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    averaging = keras.optimizers.SGD(use_ema=True)
     adam.build(variables)
+    averaging.build(variables)
     scaled.build(variables)
     hooks = [("Model (an instance)", keras.Sequential(), "_initial_epoch"),
              ("LossScaleOptimizer (built)", scaled, "_trainable_variables"),
              ("Adam (built)", adam, "_momentums"), ("Adam (built)", adam, "_velocities"),
+             ("Adam (built)", adam, "_trainable_variables"), ("Optimizer (built, use_ema)", averaging, "_model_variables_moving_average"),
              *(("LossScaleOptimizer", keras.optimizers.LossScaleOptimizer, name) for name in LOSS_SCALE_HOOKS),
              ("trainer", trainer, "reduce_per_replica"), ("trainer", trainer, "_collective_all_reduce_multi_worker"),
              ("TensorFlowTrainer", trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
@@ -399,6 +404,16 @@ def compute_loss(model: keras.Model, x, y, y_pred, sample_weight):
 def loss_tracker(model: keras.Model):
     """The `loss` metric Keras' default `train_step` updates (a compiled model's)."""
     return model._loss_tracker
+
+
+def weight_averages(optimizer: keras.optimizers.Optimizer) -> list:
+    """The moving averages an optimizer built with `use_ema` keeps, one per trainable variable."""
+    return optimizer._model_variables_moving_average
+
+
+def optimizer_trainable_variables(optimizer: keras.optimizers.Optimizer) -> list:
+    """The variables a built optimizer trains, in the order of its per-variable state."""
+    return optimizer._trainable_variables
 
 
 def build_from_batch(model: keras.Model, data_batch) -> None:

@@ -17,7 +17,7 @@ import math
 import keras
 from keras import ops
 
-from tfmp import clipping, keras_internals, precision, update_rules
+from tfmp import averaging, clipping, keras_internals, precision, update_rules
 from tfmp.sharding import ZeroOneOptimizer
 from tfmp.config import LEARNING_RATE_SCALINGS
 
@@ -110,7 +110,8 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
 
     Args:
         config: optimizer, learning rate and its scaling, epochs, warmup, weight decay, loss scale,
-            `global_clipnorm` (`tfmp.clipping`: after the replicas' sum) and `sharding` (`zero1`:
+            `global_clipnorm` (`tfmp.clipping`: after the replicas' sum), `ema_momentum` (`tfmp.averaging`) and
+            `sharding` (`zero1`:
             `tfmp.sharding.ZeroOneOptimizer` inside the loss scaling).
         steps_per_epoch: optimizer steps per epoch.
     """
@@ -125,6 +126,8 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
         optimizer = keras.optimizers.AdamW(schedule, weight_decay=config.weight_decay)
     if config.weight_decay and config.optimizer != "lars":
         optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY_NAMES))
+    if config.ema_momentum:
+        averaging.average_weights(optimizer, config.ema_momentum)
     if config.sharding == "zero1":
         optimizer = ZeroOneOptimizer(optimizer, global_clipnorm=config.global_clipnorm or None)
     elif config.global_clipnorm:

@@ -10,6 +10,7 @@
     WORKDIR/tensorboard/           TensorBoard scalars of every stage (a stage's below, e.g. baseline/draw0/)
     WORKDIR/history.csv            one row per epoch, appended across resumptions
     WORKDIR/encoder.keras          the pretrained encoder (--task=<an SSL method>), loadable without tfmp
+    WORKDIR/encoder_ema.keras      its moving average of the weights (--ema_momentum), the same way
     WORKDIR/summary.png            the run's figures drawn (probe vs baseline per draw, kNN over epochs)
     WORKDIR/baseline/draw<N>/      a stage's own run directory (the supervised baseline of label draw N):
                                    its checkpoints and history.csv
@@ -46,6 +47,7 @@ MEMORY_ESTIMATE_FILE = "memory_estimate.json"
 HISTORY_FILE = "history.csv"
 SUMMARY_PNG_FILE = "summary.png"
 ENCODER_FILE = "encoder.keras"
+ENCODER_AVERAGE_FILE = "encoder_ema.keras"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"
 
@@ -122,6 +124,10 @@ class RunDirectory:
     @property
     def encoder_file(self) -> str:
         return os.path.join(self.path, ENCODER_FILE)
+
+    @property
+    def encoder_average_file(self) -> str:
+        return os.path.join(self.path, ENCODER_AVERAGE_FILE)
 
     @property
     def summary_png_file(self) -> str:

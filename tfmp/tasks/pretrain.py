@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from tfmp import data as tfmp_data
-from tfmp import compilation, distribute, optimizers, registry, tasks
+from tfmp import averaging, compilation, distribute, optimizers, registry, tasks
 from tfmp.config import Config
 from tfmp.data.augment import AugmentConfig
 from tfmp.diagnostics import flops
@@ -133,6 +133,12 @@ def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: 
         "encoder_dtype_policy": encoder.dtype_policy.name,
         **evaluate_over_draws(config, data, encoder, runtime.jit_compile),
     }
+    if averaging.has_average(model.optimizer):  # the moving average, measured and exported the same way
+        with averaging.averaged(model):
+            if runtime.chief:
+                export.portable(encoder).save(directory.encoder_average_file)
+            metrics.update({f"ema_{name}": value for name, value in
+                            evaluate_over_draws(config, data, encoder, runtime.jit_compile).items() if name != "labeled_examples"})
     # Seconds per phase, so a comparison of methods can leave out the (shared) baseline.
     metrics.update(pretrain_seconds=round(pretrained - started, 2), evaluation_seconds=round(time.perf_counter() - pretrained, 2))
     if config.compare_supervised:

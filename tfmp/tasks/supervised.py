@@ -12,7 +12,7 @@ import logging
 import keras
 
 from tfmp import data as tfmp_data
-from tfmp import accumulation, compilation, models, optimizers, tasks
+from tfmp import accumulation, averaging, compilation, models, optimizers, tasks
 from tfmp.config import Config
 from tfmp.diagnostics import flops
 from tfmp.report import Phase, Phases
@@ -95,7 +95,12 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, runtime: Runtime, 
                         validation_data=test, validate_every=max(1, validate_every // group), quiet=quiet,
                         flops_per_example=3 * flops.forward_flops_per_example(model, data.image_shape))
     evaluation = model.evaluate(test, return_dict=True, verbose=0)
-    return {**results, "eval_accuracy": float(evaluation["accuracy"]), "eval_loss": float(evaluation["loss"])}
+    results.update(eval_accuracy=float(evaluation["accuracy"]), eval_loss=float(evaluation["loss"]))
+    if averaging.has_average(model.optimizer):  # the moving average of the weights, evaluated beside them
+        with averaging.averaged(model):
+            evaluation = model.evaluate(test, return_dict=True, verbose=0)
+        results.update(ema_eval_accuracy=float(evaluation["accuracy"]), ema_eval_loss=float(evaluation["loss"]))
+    return results
 
 
 def baseline_config(config: Config) -> Config:
