@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import averaging, distribute, precision, train
+from tfmp import averaging, distribute, precision, sharding, train
 
 MOMENTUM = 0.9
 
@@ -30,11 +30,11 @@ def _expected_average(trajectory):
     return average
 
 
-def _model(strategy, make_optimizer):
+def _model(strategy, make_optimizer, wrap=lambda optimizer: optimizer):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
-        model.compile(optimizer=averaging.average_weights(make_optimizer(), MOMENTUM),
+        model.compile(optimizer=wrap(averaging.average_weights(make_optimizer(), MOMENTUM)),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     return model
 
@@ -85,17 +85,43 @@ def test_an_fp16_step_that_overflows_leaves_the_average_as_it_was():
             np.testing.assert_array_equal(new.numpy(), old)
 
 
-def test_a_bad_momentum_a_built_optimizer_and_zero1_are_refused_in_one_line():
-    from tfmp.config import Config, UsageError, validate
+def test_under_zero1_each_replica_averages_its_chunks_and_the_checkpoint_resumes_on_one_device(tmp_path):
+    strategy = distribute.get_strategy("mirrored")
+    x, y = _data()
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    plain = _model(strategy, sgd)
+    sharded = _model(strategy, sgd, wrap=sharding.ZeroOneOptimizer)
+    for model in (plain, sharded):
+        model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    assert sharded.optimizer.slot_names == ("momentum", "average")
+    # Each replica holds half the average (its chunks), as it holds half the momentum.
+    halves = [int(np.prod(c.shape)) for c in strategy.experimental_local_results(sharded.optimizer.buffers["average"])]
+    assert halves == [sharded.optimizer.layout.elements] * 2
+    whole = sum(int(np.prod(v.shape)) for v in sharded.trainable_weights)
+    assert whole / 2 <= sharded.optimizer.layout.elements < 0.6 * whole
+    with averaging.averaged(plain):
+        expected = [w.numpy() for w in plain.trainable_weights]
+    with averaging.averaged(sharded):
+        for weight, value in zip(sharded.trainable_weights, expected):
+            np.testing.assert_allclose(weight.numpy(), value, rtol=1e-5, atol=1e-6)
+    path = tf.train.Checkpoint(model=sharded).write(str(tmp_path / "ckpt"))
+    single = _model(tf.distribute.get_strategy(), sgd, wrap=sharding.ZeroOneOptimizer)
+    single.optimizer.build(single.trainable_variables)
+    tf.train.Checkpoint(model=single).read(path).assert_existing_objects_matched()
+    with averaging.averaged(single):
+        for weight, value in zip(single.trainable_weights, expected):
+            np.testing.assert_allclose(weight.numpy(), value, rtol=1e-5, atol=1e-6)
 
+
+def test_a_bad_momentum_a_built_optimizer_and_an_already_sharded_one_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"ema_momentum must be in \[0, 1\), got 1.0"):
         averaging.average_weights(keras.optimizers.SGD(), 1.0)
     built = keras.optimizers.SGD()
     built.build([keras.Variable([1.0])])
     with pytest.raises(ValueError, match="not been built yet"):
         averaging.average_weights(built, 0.9)
-    with pytest.raises(UsageError, match=r"^--ema_momentum is not built for --sharding=zero1 yet"):
-        validate(Config(ema_momentum=0.99, sharding="zero1"))
+    with pytest.raises(ValueError, match="before wrapping it in ZeroOneOptimizer"):
+        averaging.average_weights(sharding.ZeroOneOptimizer(keras.optimizers.SGD()), 0.9)
 
 
 def test_the_cli_reports_the_average_beside_the_trained_weights(tmp_path):

@@ -10,6 +10,8 @@ Where things live:
     tfmp.optimizers  optimizers and learning-rate schedules
     tfmp.update_rules  each optimizer's step written once (LARS and the sharded step run it)
     tfmp.clipping    gradient clipping by the global norm of the replicas' summed, unscaled gradient
+    tfmp.accumulation  micro-batches inside one optimizer step, gradient caching for batch-coupled losses
+    tfmp.averaging   the moving average of the weights, kept beside them, evaluated and exported
     tfmp.sharding    ZeRO: optimizer state sharded across replicas, its layout, collectives and checkpoints
     tfmp.callbacks   checkpoints/resume, telemetry, TensorBoard
     tfmp.config      the config schema, each setting's check, and its flags
@@ -35,10 +37,10 @@ from tfmp import logs as _logs
 __version__ = "0.1.0"
 _logs.install_library_default()  # tfmp's choices are seen once even where nobody configured logging
 
-_SUBMODULES = ("bench", "callbacks", "clipping", "compilation", "config", "data", "diagnostics", "distribute", "doctor", "hardware",
-               "keras_internals", "launch", "logs", "models", "optimizers", "precision", "registry", "report", "run_directory",
-               "runtime", "sharding", "ssl", "tasks", "tf_environment", "train", "training", "update_rules", "upstream",
-               "workdir_lock")
+_SUBMODULES = ("accumulation", "averaging", "bench", "callbacks", "clipping", "compilation", "config", "data",
+               "diagnostics", "distribute", "doctor", "hardware", "keras_internals", "launch", "logs", "models",
+               "optimizers", "precision", "registry", "report", "run_directory", "runtime", "sharding", "ssl",
+               "tasks", "tf_environment", "train", "training", "update_rules", "upstream", "workdir_lock")
 
 
 def __getattr__(name):

@@ -1,16 +1,16 @@
 """Gradient accumulation inside one optimizer step (`--gradient_accumulation_steps=K`), and gradient caching.
 
 **One `fit()` step is still one optimizer step over the whole global batch.** Inside the step each replica's batch is
-cut into K equal micro-batches that run one after another (a `tf.while_loop` with `parallel_iterations=1`; on
-several replicas of a strategy whose collectives need `merge_call`, which TensorFlow refuses inside control flow —
+cut into K equal micro-batches that run one after another (a `tf.while_loop` with `parallel_iterations=1`; on several
+replicas of a strategy whose collectives need `merge_call`, which TensorFlow refuses inside control flow —
 MirroredStrategy off XLA-GPU, with synchronized BatchNorm or a loss's all-gather in the loop — K copies chained by
-control dependencies: either way only one micro-batch's activations are alive), and their gradients are summed in the variables' dtype (float32 under the
-mixed policies). The optimizer then sees the summed gradient once. So the data order, the augmentation draws (drawn
-for the whole batch before it is cut), the learning-rate schedule, the step count and the checkpoints are those of the
-run without accumulation — a checkpoint can only fall between optimizer steps, and a stop anywhere resumes exactly
-as any tfmp run does. Under fp16 the loss scale multiplies every micro-batch's loss alike and the
-`LossScaleOptimizer` decides about overflow once, on the accumulated gradient (an inf in any micro-batch on any
-replica skips the step on all), and moves the scale once; clipping (`tfmp.clipping`) and sharding
+control dependencies: either way only one micro-batch's activations are alive), and their gradients are summed in the
+variables' dtype (float32 under the mixed policies). The optimizer then sees the summed gradient once. So the data
+order, the augmentation draws (drawn for the whole batch before it is cut), the learning-rate schedule, the step count
+and the checkpoints are those of the run without accumulation — a checkpoint can only fall between optimizer steps,
+and a stop anywhere resumes exactly as any tfmp run does. Under fp16 the loss scale multiplies every micro-batch's
+loss alike and the `LossScaleOptimizer` decides about overflow once, on the accumulated gradient (an inf in any
+micro-batch on any replica skips the step on all), and moves the scale once; clipping (`tfmp.clipping`) and sharding
 (`tfmp.sharding`) see the accumulated, reduced gradient.
 
 Keras' own `gradient_accumulation_steps` (an optimizer option) works the other way round: each `fit()` step is a
@@ -21,11 +21,11 @@ micro-batch, so epochs, schedules and checkpoints count micro-batches, a checkpo
 **Losses that couple the examples of a batch** (SimCLR's and MoCo v3's negatives, VICReg's and Barlow Twins'
 statistics) are not the sum of per-micro-batch losses. For them `cached_gradients` is gradient caching (Gao et al.
 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"): embed every micro-batch without a
-tape, compute the loss and its gradient with respect to the embeddings on the whole batch (the heads' gradients
-too), then run each micro-batch again under a tape and back-propagate its slice of that embedding gradient. The
-result is the whole batch's gradient (tests/test_accumulation.py checks it against one big batch). The encoder's
-non-trainable state (BatchNorm's moving statistics, random-seed state for dropout and drop path) is put back before
-the second pass, so the second pass draws the same random numbers and the state moves once per step.
+tape, compute the loss and its gradient with respect to the embeddings on the whole batch (the heads' gradients too),
+then run each micro-batch again under a tape and back-propagate its slice of that embedding gradient. The result is
+the whole batch's gradient (tests/test_accumulation.py checks it against one big batch). The encoder's non-trainable
+state (BatchNorm's moving statistics, random-seed state for dropout and drop path) is put back before the second pass,
+so the second pass draws the same random numbers and the state moves once per step.
 
 BatchNorm layers normalise each micro-batch with its own statistics (as unsynchronised BatchNorm does on each
 replica), so a network with BatchNorm in the accumulated part trains close to, not exactly as, the one big batch.

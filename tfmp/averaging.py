@@ -12,7 +12,8 @@ the two can no longer be compared. `average_weights` keeps the trained weights i
 the context in which the model holds the average (to evaluate or export it), putting the trained weights back
 after.
 
-Not with `--sharding=zero1` yet: the sharded step does not keep an average (refused in one line).
+Under `--sharding=zero1` the average is one more slot of the sharded state: each replica keeps and updates its
+chunks of it (`tfmp.sharding.ZeroOneOptimizer`), and `averaged` gathers it whole once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import keras
 
 from tfmp import keras_internals
+from tfmp.sharding import ZeroOneOptimizer
 
 
 def innermost(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -41,6 +43,9 @@ def average_weights(optimizer: keras.optimizers.Optimizer, momentum: float) -> k
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"ema_momentum must be in [0, 1), got {momentum}")
     inner = innermost(optimizer)
+    if _is_sharded(inner):
+        raise ValueError("call average_weights on the optimizer before wrapping it in ZeroOneOptimizer (its slots are "
+                         "fixed when it is made)")
     if inner.built:
         raise ValueError("average_weights needs an optimizer that has not been built yet (call it before training)")
     inner.use_ema, inner.ema_momentum, inner.ema_overwrite_frequency = True, momentum, None
@@ -49,7 +54,26 @@ def average_weights(optimizer: keras.optimizers.Optimizer, momentum: float) -> k
 
 
 def has_average(optimizer) -> bool:
-    return optimizer is not None and bool(getattr(innermost(optimizer), "use_ema", False))
+    if optimizer is None:
+        return False
+    inner = innermost(optimizer)
+    if _is_sharded(inner):
+        inner = inner.inner  # the optimizer zero1 wraps keeps the setting
+    return bool(getattr(inner, "use_ema", False))
+
+
+def _is_sharded(optimizer) -> bool:
+    return isinstance(optimizer, ZeroOneOptimizer)
+
+
+def _averages(optimizer) -> tuple[list, list]:
+    """(the trained variables, their averages as arrays, in the same order)."""
+    if _is_sharded(optimizer):
+        if optimizer.replicas > 1:  # gathered from the replicas' chunks
+            return optimizer.variables_in_order, optimizer.whole_averages()
+        optimizer = optimizer.inner  # zero1 on one replica runs its inner optimizer unchanged
+    return (keras_internals.optimizer_trainable_variables(optimizer),
+            [average.numpy() for average in keras_internals.weight_averages(optimizer)])
 
 
 @contextlib.contextmanager
@@ -57,13 +81,12 @@ def averaged(model: keras.Model, optimizer: keras.optimizers.Optimizer | None = 
     """Inside, `model`'s trainable weights are the average `optimizer` (default: the model's) keeps; after, the
     trained weights again. Works on a model built under a strategy (every replica's copy is swapped)."""
     optimizer = innermost(optimizer or model.optimizer)
-    averages = keras_internals.weight_averages(optimizer)
-    variables = keras_internals.optimizer_trainable_variables(optimizer)  # in the order of the averages
+    variables, averages = _averages(optimizer)
     trained = [variable.numpy() for variable in variables]
     try:
         with model.distribute_strategy.scope():  # mirrored variables are assigned in their strategy's scope
             for variable, average in zip(variables, averages):
-                variable.assign(average.numpy())
+                variable.assign(average)
         yield model
     finally:
         with model.distribute_strategy.scope():

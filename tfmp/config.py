@@ -441,9 +441,6 @@ def validate(config: Config) -> Config:
     config = resolve_renamed(config)
     _check_task_and_dataset(config)
     _check_workers(config)
-    if config.ema_momentum and config.sharding != "none":
-        raise UsageError(f"--ema_momentum is not built for --sharding={config.sharding} yet (the sharded step keeps no "
-                         "average); use --sharding=none with it")
     if config.global_batch_size % config.gradient_accumulation_steps:
         raise UsageError(f"gradient_accumulation_steps {config.gradient_accumulation_steps} does not divide global_batch_size "
                          f"{config.global_batch_size}; use a divisor of the per-replica batch")

@@ -224,11 +224,12 @@ def uses_weight_decay(optimizer: keras.optimizers.Optimizer, variable) -> bool:
 
 
 # Where Keras 3.15 keeps each optimizer's slot variables, by the name tfmp.sharding gives them.
-_SLOT_ATTRIBUTES = {"momentum": ("_momentums", "momentums"), "velocity": ("_velocities",)}
+_SLOT_ATTRIBUTES = {"momentum": ("_momentums", "momentums"), "velocity": ("_velocities",),
+                    "average": ("_model_variables_moving_average",)}
 
 
 def optimizer_slot(optimizer: keras.optimizers.Optimizer, name: str, variable):
-    """The slot variable `name` (momentum, velocity) of a built optimizer for `variable`."""
+    """The slot variable `name` (momentum, velocity, average) of a built optimizer for `variable`."""
     for attribute in _SLOT_ATTRIBUTES[name]:
         slots = getattr(optimizer, attribute, None)
         if slots:

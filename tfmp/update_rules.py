@@ -18,7 +18,7 @@ from keras import ops
 from tfmp import keras_internals
 
 # Options of keras.optimizers.Optimizer the rules here do not implement, by their Keras names.
-UNSUPPORTED_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps", "use_ema",
+UNSUPPORTED_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps", "ema_overwrite_frequency",
                        "loss_scale_factor")
 
 
@@ -66,6 +66,12 @@ def lars(weight, gradient, momentum, *, learning_rate, coefficient: float, weigh
     return weight - momentum, momentum
 
 
+def moving_average(average, weight, *, momentum: float, step):
+    """Keras' `use_ema` average after a step (`step` counts from 1; the first step copies the weight)."""
+    momentum = ops.where(step > 1, ops.cast(momentum, weight.dtype), ops.zeros((), weight.dtype))
+    return momentum * average + (1 - momentum) * weight
+
+
 def decoupled_weight_decay(weight, *, learning_rate, weight_decay: float):
     """Keras' decoupled weight decay (AdamW, and SGD's `weight_decay`), applied before the update."""
     return weight - weight * ops.cast(weight_decay, weight.dtype) * learning_rate
@@ -76,12 +82,15 @@ def is_lars(optimizer) -> bool:
 
 
 def slot_names(optimizer) -> tuple[str, ...]:
-    """The per-variable state the optimizer's rule keeps, by name (after `check_supported`)."""
+    """The per-variable state the optimizer's rule keeps, by name (after `check_supported`): the rule's slots, then
+    the moving average of the weights where the optimizer keeps one (`use_ema`)."""
     if isinstance(optimizer, keras.optimizers.Adam):  # AdamW is an Adam
-        return ("momentum", "velocity")
-    if is_lars(optimizer):
-        return ("momentum",)
-    return ("momentum",) if optimizer.momentum else ()
+        names = ("momentum", "velocity")
+    elif is_lars(optimizer):
+        names = ("momentum",)
+    else:
+        names = ("momentum",) if optimizer.momentum else ()
+    return (*names, "average") if getattr(optimizer, "use_ema", False) else names
 
 
 def check_supported(optimizer, what: str) -> None:

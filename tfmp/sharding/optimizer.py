@@ -25,9 +25,13 @@ layout (`tfmp.sharding.checkpoint_state`), so a run resumes on another number of
 With `global_clipnorm` the step first sums every bucket (each replica keeps its chunks: 1/N of the gradients), then
 scales them by the global norm summed across replicas, then updates (`tfmp.clipping`).
 
+The moving average of the weights (the inner optimizer's `use_ema`, `tfmp.averaging`) is one more slot: each
+replica averages its chunks after updating them.
+
 Not sharded: weights and gradients stay whole on every replica (ZeRO stages 2 and 3, FSDP). Limits (refused with
-one line where they apply, `update_rules.check_supported`): per-tensor clipping, EMA, gradient accumulation, AMSGrad,
-and optimizers other than the three above.
+one line where they apply, `update_rules.check_supported`): per-tensor clipping, Keras' `gradient_accumulation_steps`
+(tfmp's own accumulation composes: `tfmp.accumulation`), `ema_overwrite_frequency`, AMSGrad, and optimizers other
+than the three above.
 """
 
 from __future__ import annotations
@@ -212,8 +216,12 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             slots = {name: buffer[offset:offset + chunk] for name, buffer in self.buffers.items()}
             weight = weights[position]
             if grads[index] is not None:  # a variable without a gradient is left as it is (no decay), as Keras does
-                weight, slots = update_rules.update(self.inner, variable, weight, gradients[position], slots, learning_rate,
-                                                    step, norms=None if norms is None else norms[position])
+                weight, rule_slots = update_rules.update(self.inner, variable, weight, gradients[position], slots,
+                                                         learning_rate, step, norms=None if norms is None else norms[position])
+                slots.update(rule_slots)
+            if "average" in slots:  # every variable's, as Keras averages every trainable variable
+                slots["average"] = update_rules.moving_average(slots["average"], weight, momentum=self.inner.ema_momentum,
+                                                               step=step)
             new_weights.append(weight)
             for name in self.slot_names:
                 states[name][index] = slots[name]
@@ -262,6 +270,12 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
                 whole = chunks[:, offset:offset + chunk].reshape(-1)[:self.layout.sizes[index]]
                 arrays[f"{name}:{index}"] = whole.reshape(variable.shape)
         return arrays
+
+    def whole_averages(self) -> list[np.ndarray]:
+        """The moving average of every trainable variable (`use_ema` on the inner optimizer), whole, in their order:
+        gathered from every replica's chunks (`tfmp.averaging.averaged` evaluates and exports it)."""
+        arrays = self.gathered_state()
+        return [arrays[f"average:{index}"] for index in range(len(self.variables_in_order))]
 
     def scatter_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Writes whole per-variable state (`{slot}:{index}` arrays, any layout) into this layout (at build, when the
