@@ -188,7 +188,8 @@ def _one_step_gradient(name, strategy, steps, batch_coupled=None, encoder="vit")
     return before - after
 
 
-@pytest.mark.parametrize("name", ["simclr", "vicreg"])
+@pytest.mark.parametrize("name", ["simclr", "vicreg", pytest.param("mocov3", marks=pytest.mark.slow),
+                                  pytest.param("barlow_twins", marks=pytest.mark.slow)])  # ~12 s each
 def test_gradient_caching_gives_the_one_big_batch_gradient_and_the_naive_loop_does_not(name):
     strategy = tf.distribute.get_strategy()
     big = _one_step_gradient(name, strategy, 1)
