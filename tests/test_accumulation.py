@@ -62,6 +62,24 @@ def test_four_micro_batches_end_where_one_big_batch_does(replicas):
     assert big[0].shape == micro[0].shape and not np.allclose(big[0], _model(strategy, _adamw, 1).weights[0].numpy())
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_last_batch_the_micro_batches_do_not_divide_is_padded_with_rows_of_no_weight(replicas):
+    """60 examples in batches of 32: the last batch has 28 (14 a replica), which 8 micro-batches do not divide; padded
+    to 32, its last micro-batch holds no real row at all. The run still ends where the one-batch run does."""
+    strategy = distribute.get_strategy("mirrored") if replicas == 2 else tf.distribute.get_strategy()
+    images, labels = _data(60)
+    weights = np.linspace(0.5, 1.5, 60).astype(np.float32)  # the user's sample weights are kept
+    runs = []
+    for steps in (1, 8):
+        model = _model(strategy, _sgd, steps)
+        history = model.fit(images, labels, sample_weight=weights, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+        runs.append(([w.numpy() for w in model.weights], history.history))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(runs[1][1]["loss"], runs[0][1]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(runs[1][1]["accuracy"], runs[0][1]["accuracy"], rtol=1e-6)
+
+
 def test_under_xla_and_with_several_steps_per_execution_the_result_is_the_same():
     images, labels = _data()
     strategy = tf.distribute.get_strategy()
@@ -179,11 +197,11 @@ def _ssl_method(name, strategy, steps, batch_coupled=None, encoder="vit"):
     return model
 
 
-def _one_step_gradient(name, strategy, steps, batch_coupled=None, encoder="vit"):
-    images, labels = _data(BATCH)
+def _one_step_gradient(name, strategy, steps, batch_coupled=None, encoder="vit", batch=BATCH):
+    images, labels = _data(batch)
     model = _ssl_method(name, strategy, steps, batch_coupled, encoder)
     before = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
-    model.fit(images, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.fit(images, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     after = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
     return before - after
 
@@ -200,6 +218,13 @@ def test_gradient_caching_gives_the_one_big_batch_gradient_and_the_naive_loop_do
     assert np.linalg.norm(cached - big) / scale < 1e-5
     # Each micro-batch's own loss (8 images: 7 negatives each, statistics over 16 views) is another gradient.
     assert np.linalg.norm(naive - big) / scale > 1e-2
+
+
+def test_gradient_caching_pads_a_batch_the_micro_batches_do_not_divide_and_the_loss_takes_the_real_rows():
+    strategy = tf.distribute.get_strategy()
+    big = _one_step_gradient("simclr", strategy, 1, batch=30)
+    cached = _one_step_gradient("simclr", strategy, 4, batch=30)  # padded to 32: 4 micro-batches of 8
+    assert np.linalg.norm(cached - big) / np.linalg.norm(big) < 1e-5
 
 
 def test_gradient_caching_on_two_replicas_gives_the_global_batch_gradient():

@@ -65,10 +65,12 @@ def test_simclr_fit_with_jit_compile_on_two_replicas_trains_and_replicas_draw_di
     assert distribute.augmentation_streams_differ(strategy, first_view, tf.constant(images[:8]))
 
 
-def test_simclr_fit_with_jit_compile_on_one_device_compiles_the_whole_step():
+@pytest.mark.parametrize("micro_batches", [1, 2])  # 2: gradient caching's loops and state replay, compiled too
+def test_simclr_fit_with_jit_compile_on_one_device_compiles_the_whole_step(micro_batches):
     images, labels = _digits_like()
     encoder = models.build_encoder("small_cnn", images.shape[1:])
-    model = SimCLR(encoder, num_classes=10, projection_dim=16, temperature=0.5, augment_config=augment.AugmentConfig(blur_probability=0.5))
+    model = SimCLR(encoder, num_classes=10, projection_dim=16, temperature=0.5, augment_config=augment.AugmentConfig(blur_probability=0.5),
+                   gradient_accumulation_steps=micro_batches)
     model.build((None, *images.shape[1:]))
     model.compile(optimizer=keras.optimizers.AdamW(1e-3), jit_compile=True)
     assert model.jit_compile is True and model._compiled_views is None

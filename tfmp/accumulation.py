@@ -49,6 +49,25 @@ def check_steps(per_replica_batch: int, steps: int) -> None:
                          f"examples into equal micro-batches; use one of {', '.join(map(str, divisors))}")
 
 
+def padded_rows(batch, steps: int):
+    """The rows of a batch of `batch` examples padded up to a multiple of `steps` (the same when it divides)."""
+    return (batch + steps - 1) // steps * steps
+
+
+def pad_rows(tensor, rows, value=None):
+    """`tensor` with rows added up to `rows`: copies of its last row, or `value` (a batch that `steps` does not divide,
+    e.g. an epoch's last from arrays, becomes equal micro-batches; the added rows carry no weight where the loss
+    takes weights). None stays None."""
+    if tensor is None:
+        return None
+    tensor = tf.convert_to_tensor(tensor)
+    batch = tf.shape(tensor)[0]
+    if value is not None:
+        filler = tf.fill(tf.concat([[rows - batch], tf.shape(tensor)[1:]], axis=0), tf.cast(value, tensor.dtype))
+        return tf.concat([tensor, filler], axis=0)
+    return tf.gather(tensor, tf.minimum(tf.range(rows), batch - 1))
+
+
 def micro_batches(tree, steps: int):
     """Every tensor of `tree`, `[batch, ...]`, as `[steps, batch / steps, ...]` (micro-batch i is row i; None stays None)."""
     def cut(tensor):
@@ -109,15 +128,8 @@ def sum_gradients(gradients_of, steps: int, variables: list) -> list[tf.Tensor]:
         steps: the number of micro-batches.
         variables: what the gradients are taken with respect to.
     """
-    def dense(gradients):
-        return [_dense(gradient, variable) for gradient, variable in zip(gradients, variables)]
-
-    if steps == 1:
-        return dense(gradients_of(tf.constant(0)))
-    if not _in_a_loop():
-        return _chained(gradients_of, steps,
-                        lambda total, gradients: dense(gradients) if total is None else
-                        [sum_ + gradient for sum_, gradient in zip(total, dense(gradients))])
+    if steps == 1 or not _in_a_loop():
+        return sum_gradients_keeping_outputs(lambda index: (gradients_of(index), ()), steps, variables)[0]
 
     def body(index, total):
         gradients = gradients_of(index)
@@ -126,6 +138,42 @@ def sum_gradients(gradients_of, steps: int, variables: list) -> list[tf.Tensor]:
     zeros = [tf.zeros(variable.shape, variable.dtype) for variable in variables]
     _, total = tf.while_loop(lambda index, _: index < steps, body, (tf.constant(0), zeros), parallel_iterations=1)
     return total
+
+
+def sum_gradients_keeping_outputs(step_of, steps: int, variables: list):
+    """`sum_gradients` where each micro-batch also returns outputs to keep (e.g. its predictions, for metrics over the
+    whole batch): `step_of(i)` -> (gradients, a tree of tensors); returns (summed gradients, each output stacked over
+    the micro-batches, `[steps, ...]`)."""
+    def dense(gradients):
+        return [_dense(gradient, variable) for gradient, variable in zip(gradients, variables)]
+
+    if steps == 1:
+        gradients, outputs = step_of(tf.constant(0))
+        return dense(gradients), tf.nest.map_structure(lambda output: output[None], outputs)
+    if not _in_a_loop():
+        def combine(folded, result):
+            gradients, outputs = result
+            if folded is None:
+                return dense(gradients), [outputs]
+            return [sum_ + gradient for sum_, gradient in zip(folded[0], dense(gradients))], [*folded[1], outputs]
+
+        total, outputs = _chained(step_of, steps, combine)
+        return total, tf.nest.map_structure(lambda *each: tf.stack(each), *outputs)
+
+    # The first micro-batch runs before the loop: its outputs give the kept arrays their dtypes and shapes (one more
+    # traced copy of the step than `sum_gradients`' loop).
+    first_gradients, first_outputs = step_of(tf.constant(0))
+    flat = tf.nest.flatten(first_outputs)
+    arrays = [tf.TensorArray(output.dtype, size=steps, element_shape=output.shape).write(0, output) for output in flat]
+
+    def body(index, total, arrays):
+        gradients, outputs = step_of(index)
+        total = [sum_ + _dense(gradient, variable) for sum_, gradient, variable in zip(total, gradients, variables)]
+        return index + 1, total, [array.write(index, output) for array, output in zip(arrays, tf.nest.flatten(outputs))]
+
+    _, total, arrays = tf.while_loop(lambda index, *_: index < steps, body, (tf.constant(1), dense(first_gradients), arrays),
+                                     parallel_iterations=1)
+    return total, tf.nest.pack_sequence_as(first_outputs, [array.stack() for array in arrays])
 
 
 def map_micro_batches(function, micro: tf.Tensor, steps: int) -> tf.Tensor:
@@ -207,31 +255,47 @@ def _merge_micro_batches(micro: tf.Tensor, steps: int) -> tf.Tensor:
 def accumulating_train_step(model: keras.Model, steps: int):
     """Keras' default `train_step` for a compiled `model`, taking each replica's batch in `steps` micro-batches.
 
-    The loss of each micro-batch (Keras' `compute_loss`, a mean over the micro-batch) is divided by `steps`, so the
-    summed gradient is the whole batch's for losses that average over examples; metrics and the loss tracker are
-    updated per micro-batch (their means are the batch's). Use through `accumulate_gradients`.
+    The loss of each micro-batch of m examples (Keras' `compute_loss`: a sum over the micro-batch divided by m) is
+    multiplied by m / batch, so the summed gradient is the whole batch's for losses that average over examples; the
+    loss tracker is updated per micro-batch (its mean is the batch's), the metrics once on the whole batch's
+    predictions (kept per micro-batch: the outputs, not the activations). A batch `steps` does not
+    divide (an epoch's last, from arrays) is padded to equal micro-batches with rows of weight 0: the loss and the
+    metrics are the real rows'; BatchNorm's statistics see the copies. Use through `accumulate_gradients`.
     """
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        micro = micro_batches((x, y, sample_weight), steps)
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        rows = padded_rows(batch, steps)
+        data_weights = sample_weight
+        if sample_weight is None:
+            sample_weight = tf.ones([batch])
+        micro = micro_batches((tf.nest.map_structure(lambda tensor: pad_rows(tensor, rows), (x, y)),
+                               tf.nest.map_structure(lambda weight: pad_rows(weight, rows, value=0), sample_weight)), steps)
+        micro_rows = rows // steps
         variables = model.trainable_variables
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
 
-        def gradients_of(index):
-            x_i, y_i, weight_i = tf.nest.map_structure(lambda tensor: None if tensor is None else tensor[index], micro)
+        def step_of(index):
+            (x_i, y_i), weight_i = tf.nest.map_structure(lambda tensor: None if tensor is None else tensor[index], micro)
+            real = tf.clip_by_value(batch - index * micro_rows, 0, micro_rows)  # rows of this micro-batch that are data
             with tf.GradientTape() as tape:
                 y_pred = model(x_i, training=True)
                 loss = keras_internals.compute_loss(model, x_i, y_i, y_pred, weight_i)
-                # compute_loss divided by the replicas (Keras sums their gradients); the tracker shows the undivided loss.
+                share = tf.cast(micro_rows, loss.dtype) / tf.cast(batch, loss.dtype)
+                # compute_loss divided by the replicas (Keras sums their gradients); the tracker shows the undivided
+                # loss, the mean over the real rows.
                 keras_internals.loss_tracker(model).update_state(
-                    loss * tf.cast(replicas, loss.dtype), sample_weight=tf.shape(tf.nest.flatten(x_i)[0])[0])
-                loss = model.optimizer.scale_loss(loss / steps)
-            gradients = tape.gradient(loss, variables)
-            model.compute_metrics(x_i, y_i, y_pred, sample_weight=weight_i)
-            return gradients
+                    loss * tf.cast(replicas * micro_rows, loss.dtype) / tf.cast(tf.maximum(real, 1), loss.dtype),
+                    sample_weight=real)
+                loss = model.optimizer.scale_loss(loss * share)
+            return tape.gradient(loss, variables), y_pred
 
-        model.optimizer.apply(sum_gradients(gradients_of, steps, variables), variables)
-        return model.get_metrics_result()
+        gradients, micro_predictions = sum_gradients_keeping_outputs(step_of, steps, variables)
+        model.optimizer.apply(gradients, variables)
+        # Metrics once, on the batch's real rows (Keras' unweighted metrics would count the padding rows).
+        predictions = tf.nest.map_structure(lambda micro_prediction: _merge_micro_batches(micro_prediction, steps)[:batch],
+                                            micro_predictions)
+        return model.compute_metrics(x, y, predictions, sample_weight=data_weights)
 
     train_step.accumulation_steps = steps
     return train_step

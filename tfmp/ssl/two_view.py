@@ -152,6 +152,14 @@ class TwoViewModel(keras.Model):
         labels = labels if self.probe is not None else None
         views = tf.concat([first, second], axis=0)
         variables = self.trainable_variables
+        steps = self.gradient_accumulation_steps
+        if steps > 1:  # a batch the micro-batches do not divide (an epoch's last, from arrays) becomes equal ones
+            rows = accumulation.padded_rows(batch, steps)
+            views = self._padded_views(views, batch, rows)
+            if not self.batch_coupled_loss:  # gradient caching computes the loss on the real rows only
+                targets = None if targets is None else tf.nest.map_structure(
+                    lambda tensor: self._padded_views(tensor, batch, rows), targets)
+                labels = None if labels is None else accumulation.pad_rows(labels, rows, value=-1)  # -1: unlabeled
         if self.gradient_accumulation_steps > 1 and self.batch_coupled_loss:
             gradients = self._cached_gradients(views, batch, targets, labels, variables)
         else:
@@ -159,6 +167,11 @@ class TwoViewModel(keras.Model):
         self.optimizer.apply(gradients, variables)
         self.after_update()
         return {metric.name: metric.result() for metric in self.metrics}
+
+    @staticmethod
+    def _padded_views(tensor, batch, rows):
+        """`[first; second]` rows of `batch` examples each, each half padded to `rows` (copies of its last row)."""
+        return tf.concat([accumulation.pad_rows(tensor[:batch], rows), accumulation.pad_rows(tensor[batch:], rows)], axis=0)
 
     def _tracked_loss(self, features, batch, targets, labels) -> tf.Tensor:
         """The method's loss plus the probe's on `features` (`[first; second]` of `batch` images), its metrics updated."""
@@ -184,7 +197,8 @@ class TwoViewModel(keras.Model):
 
     def _accumulated_gradients(self, views, batch, targets, labels, variables) -> list:
         """The gradient of the loss over `gradient_accumulation_steps` micro-batches, each with its own loss (the whole
-        batch's for a loss that is a mean over examples; `steps == 1`: the one batch)."""
+        batch's for a loss that is a mean over examples; `steps == 1`: the one batch). A padded batch's copied rows
+        count in their micro-batch's mean (the last batch of an epoch from arrays only)."""
         steps = self.gradient_accumulation_steps
         if steps == 1:
             with tf.GradientTape() as tape:
@@ -200,7 +214,7 @@ class TwoViewModel(keras.Model):
             micro_target = None if micro_targets is None else tf.nest.map_structure(lambda tensor: tensor[index], micro_targets)
             with tf.GradientTape() as tape:
                 features = self.encoder(micro_views[index], training=True)
-                loss = self._tracked_loss(features, batch // steps, micro_target,
+                loss = self._tracked_loss(features, tf.shape(features)[0] // 2, micro_target,
                                           None if micro_labels is None else micro_labels[index])
                 loss = self._for_optimizer(loss / steps)
             return tape.gradient(loss, variables)
@@ -209,15 +223,20 @@ class TwoViewModel(keras.Model):
 
     def _cached_gradients(self, views, batch, targets, labels, variables) -> list:
         """The whole batch's gradient by gradient caching (`tfmp.accumulation.cached_gradients`): the encoder in
-        micro-batches, the heads and the loss on the whole batch."""
+        micro-batches (`views` padded to a multiple of them), the heads and the loss on the whole batch's real rows."""
         steps = self.gradient_accumulation_steps
         encoder_variables = self.encoder.trainable_variables
         in_encoder = {id(variable) for variable in encoder_variables}
         head_variables = [variable for variable in variables if id(variable) not in in_encoder]
+        rows = tf.shape(views)[0] // 2  # padded to a multiple of the micro-batches: the loss takes the real rows only
+
+        def loss(features):
+            real = tf.concat([features[:batch], features[rows:rows + batch]], axis=0)
+            return self._for_optimizer(self._tracked_loss(real, batch, targets, labels)), None
+
         encoder_gradients, head_gradients, _ = accumulation.cached_gradients(
             lambda images: self.encoder(images, training=True), accumulation.two_view_micro_batches(views, steps), steps,
-            lambda features: (self._for_optimizer(self._tracked_loss(features, batch, targets, labels)), None),
-            encoder_variables, head_variables, replay=self.encoder, two_views=True)
+            loss, encoder_variables, head_variables, replay=self.encoder, two_views=True)
         by_variable = {id(variable): gradient for variable, gradient in
                        zip([*encoder_variables, *head_variables], [*encoder_gradients, *head_gradients])}
         return [by_variable[id(variable)] for variable in variables]
