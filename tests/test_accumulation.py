@@ -270,3 +270,18 @@ def test_the_cli_takes_the_same_steps_with_micro_batches_and_trains(tmp_path):
     assert metrics[4]["steps"] == metrics[1]["steps"] == 3 * (1437 // 128)
     # Three epochs from a 10% start: both learn (after 3 epochs the two measured 0.878 and 0.944).
     assert min(metrics[1]["eval_accuracy"], metrics[4]["eval_accuracy"]) > 0.8
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_variable_no_micro_batch_reaches_is_left_untouched_as_without_accumulation(steps):
+    """Unlabeled images: the online probe gets no gradient. Summed as zeros it would still move under AdamW (decay);
+    as None it is left as it is, with or without micro-batches."""
+    keras.utils.set_random_seed(0)
+    model = _plain_cnn()
+    simclr = registry.SSL_METHODS.load("simclr")(model, projection_dim=16, seed=0, num_classes=10,
+                                                 gradient_accumulation_steps=steps)
+    simclr.compile(optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.1))
+    probe, encoder = simclr.probe.kernel.numpy().copy(), model.weights[0].numpy().copy()
+    simclr.fit(_data(BATCH)[0], batch_size=BATCH, epochs=2, verbose=0)
+    np.testing.assert_array_equal(simclr.probe.kernel.numpy(), probe)
+    assert not np.array_equal(model.weights[0].numpy(), encoder)  # the encoder trained

@@ -95,6 +95,24 @@ def two_view_batch(micro: tf.Tensor, steps: int) -> tf.Tensor:
     return tf.reshape(by_view, tf.concat([[-1], rest], axis=0))
 
 
+class _Reached:
+    """Which variables the micro-batches' losses reach, seen as the step is traced. A variable none of them reaches
+    gets None, as without accumulation (Keras' optimizers leave it untouched), not a zero gradient (which AdamW would
+    still decay and its momentum still move)."""
+
+    def __init__(self, variables: list):
+        self.variables = variables
+        self.reached = [False] * len(variables)
+
+    def dense(self, gradients) -> list[tf.Tensor]:
+        for position, gradient in enumerate(gradients):
+            self.reached[position] = self.reached[position] or gradient is not None
+        return [_dense(gradient, variable) for gradient, variable in zip(gradients, self.variables)]
+
+    def kept(self, total) -> list:
+        return [sum_ if reached else None for sum_, reached in zip(total, self.reached)]
+
+
 def _dense(gradient, variable) -> tf.Tensor:
     """A gradient as a dense tensor of the variable's dtype; zeros for a variable the loss does not reach."""
     if gradient is None:
@@ -130,26 +148,25 @@ def sum_gradients(gradients_of, steps: int, variables: list) -> list[tf.Tensor]:
     """
     if steps == 1 or not _in_a_loop():
         return sum_gradients_keeping_outputs(lambda index: (gradients_of(index), ()), steps, variables)[0]
+    reached = _Reached(variables)
 
     def body(index, total):
-        gradients = gradients_of(index)
-        return index + 1, [sum_ + _dense(gradient, variable) for sum_, gradient, variable in zip(total, gradients, variables)]
+        return index + 1, [sum_ + gradient for sum_, gradient in zip(total, reached.dense(gradients_of(index)))]
 
     zeros = [tf.zeros(variable.shape, variable.dtype) for variable in variables]
     _, total = tf.while_loop(lambda index, _: index < steps, body, (tf.constant(0), zeros), parallel_iterations=1)
-    return total
+    return reached.kept(total)
 
 
 def sum_gradients_keeping_outputs(step_of, steps: int, variables: list):
     """`sum_gradients` where each micro-batch also returns outputs to keep (e.g. its predictions, for metrics over the
     whole batch): `step_of(i)` -> (gradients, a tree of tensors); returns (summed gradients, each output stacked over
     the micro-batches, `[steps, ...]`)."""
-    def dense(gradients):
-        return [_dense(gradient, variable) for gradient, variable in zip(gradients, variables)]
-
+    reached = _Reached(variables)
+    dense = reached.dense
     if steps == 1:
         gradients, outputs = step_of(tf.constant(0))
-        return dense(gradients), tf.nest.map_structure(lambda output: output[None], outputs)
+        return reached.kept(dense(gradients)), tf.nest.map_structure(lambda output: output[None], outputs)
     if not _in_a_loop():
         def combine(folded, result):
             gradients, outputs = result
@@ -158,7 +175,7 @@ def sum_gradients_keeping_outputs(step_of, steps: int, variables: list):
             return [sum_ + gradient for sum_, gradient in zip(folded[0], dense(gradients))], [*folded[1], outputs]
 
         total, outputs = _chained(step_of, steps, combine)
-        return total, tf.nest.map_structure(lambda *each: tf.stack(each), *outputs)
+        return reached.kept(total), tf.nest.map_structure(lambda *each: tf.stack(each), *outputs)
 
     # The first micro-batch runs before the loop: its outputs give the kept arrays their dtypes and shapes (one more
     # traced copy of the step than `sum_gradients`' loop).
@@ -168,12 +185,12 @@ def sum_gradients_keeping_outputs(step_of, steps: int, variables: list):
 
     def body(index, total, arrays):
         gradients, outputs = step_of(index)
-        total = [sum_ + _dense(gradient, variable) for sum_, gradient, variable in zip(total, gradients, variables)]
+        total = [sum_ + gradient for sum_, gradient in zip(total, dense(gradients))]
         return index + 1, total, [array.write(index, output) for array, output in zip(arrays, tf.nest.flatten(outputs))]
 
     _, total, arrays = tf.while_loop(lambda index, *_: index < steps, body, (tf.constant(1), dense(first_gradients), arrays),
                                      parallel_iterations=1)
-    return total, tf.nest.pack_sequence_as(first_outputs, [array.stack() for array in arrays])
+    return reached.kept(total), tf.nest.pack_sequence_as(first_outputs, [array.stack() for array in arrays])
 
 
 def map_micro_batches(function, micro: tf.Tensor, steps: int) -> tf.Tensor:
@@ -223,7 +240,8 @@ def cached_gradients(embed, micro_inputs: tf.Tensor, steps: int, embedding_loss,
         two_views: `micro_inputs` came from `two_view_micro_batches` (the loss reads `[first; second]`).
 
     Returns:
-        (gradients of `encoder_variables`, gradients of `other_variables`, the loss's extra outputs).
+        (gradients of `encoder_variables`, gradients of `other_variables` — None for one the loss does not reach —,
+        the loss's extra outputs).
     """
     state = StateReplay(replay) if replay is not None else None
     micro_embeddings = map_micro_batches(embed, micro_inputs, steps)
@@ -245,7 +263,7 @@ def cached_gradients(embed, micro_inputs: tf.Tensor, steps: int, embedding_loss,
         return tape.gradient(surrogate, encoder_variables)
 
     encoder_gradients = sum_gradients(gradients_of, steps, encoder_variables)
-    return encoder_gradients, [_dense(g, v) for g, v in zip(other_gradients, other_variables)], extra
+    return encoder_gradients, other_gradients, extra
 
 
 def _merge_micro_batches(micro: tf.Tensor, steps: int) -> tf.Tensor:
