@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import callbacks, precision
+from tfmp import accumulation, callbacks, precision
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "scripts"))
@@ -71,7 +71,17 @@ def _subclassed():
     return model
 
 
-@pytest.mark.parametrize("make_model", [_lazy_sequential, _subclassed], ids=["lazy_sequential", "subclassed"])
+def _subclassed_in_micro_batches():
+    """The subclassed model taking each batch in 3 micro-batches (tfmp.accumulation): 128 is padded to 129, and the
+    epoch's last batch of 5 to 6."""
+    return accumulation.accumulate_gradients(_subclassed(), 3)
+
+
+MODELS = [_lazy_sequential, _subclassed, _subclassed_in_micro_batches]
+MODEL_IDS = ["lazy_sequential", "subclassed", "subclassed_in_micro_batches"]
+
+
+@pytest.mark.parametrize("make_model", MODELS, ids=MODEL_IDS)
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_models_built_lazily_train_checkpoint_and_resume(make_model, replicas, tmp_path):
     images, labels = digits()
@@ -97,7 +107,7 @@ def test_models_built_lazily_train_checkpoint_and_resume(make_model, replicas, t
     assert history.history["loss"][2] < first.history["loss"][-1]  # went on from the trained weights, not from scratch
 
 
-@pytest.mark.parametrize("make_model", [_lazy_sequential, _subclassed], ids=["lazy_sequential", "subclassed"])
+@pytest.mark.parametrize("make_model", MODELS, ids=MODEL_IDS)
 def test_a_finished_lazily_built_model_is_restored_by_a_rerun_with_nothing_left_to_train(make_model, tmp_path, new_process):
     images, labels = digits()
     model = make_model()

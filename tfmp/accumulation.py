@@ -100,14 +100,22 @@ class _Reached:
     gets None, as without accumulation (Keras' optimizers leave it untouched), not a zero gradient (which AdamW would
     still decay and its momentum still move)."""
 
-    def __init__(self, variables: list):
-        self.variables = variables
-        self.reached = [False] * len(variables)
+    def __init__(self, variables):
+        self._variables = variables  # or a function returning them: read after the first micro-batch built the model
+        self.reached = None
+
+    @property
+    def variables(self) -> list:
+        if self.reached is None:
+            self._variables = list(self._variables() if callable(self._variables) else self._variables)
+            self.reached = [False] * len(self._variables)
+        return self._variables
 
     def dense(self, gradients) -> list[tf.Tensor]:
+        variables = self.variables
         for position, gradient in enumerate(gradients):
             self.reached[position] = self.reached[position] or gradient is not None
-        return [_dense(gradient, variable) for gradient, variable in zip(gradients, self.variables)]
+        return [_dense(gradient, variable) for gradient, variable in zip(gradients, variables)]
 
     def kept(self, total) -> list:
         return [sum_ if reached else None for sum_, reached in zip(total, self.reached)]
@@ -161,7 +169,8 @@ def sum_gradients(gradients_of, steps: int, variables: list) -> list[tf.Tensor]:
 def sum_gradients_keeping_outputs(step_of, steps: int, variables: list):
     """`sum_gradients` where each micro-batch also returns outputs to keep (e.g. its predictions, for metrics over the
     whole batch): `step_of(i)` -> (gradients, a tree of tensors); returns (summed gradients, each output stacked over
-    the micro-batches, `[steps, ...]`)."""
+    the micro-batches, `[steps, ...]`). `variables` may be a function returning them, called after the first
+    micro-batch ran (a lazily built model has its variables only then)."""
     reached = _Reached(variables)
     dense = reached.dense
     if steps == 1:
@@ -290,7 +299,6 @@ def accumulating_train_step(model: keras.Model, steps: int):
         micro = micro_batches((tf.nest.map_structure(lambda tensor: pad_rows(tensor, rows), (x, y)),
                                tf.nest.map_structure(lambda weight: pad_rows(weight, rows, value=0), sample_weight)), steps)
         micro_rows = rows // steps
-        variables = model.trainable_variables
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
 
         def step_of(index):
@@ -306,10 +314,11 @@ def accumulating_train_step(model: keras.Model, steps: int):
                     loss * tf.cast(replicas * micro_rows, loss.dtype) / tf.cast(tf.maximum(real, 1), loss.dtype),
                     sample_weight=real)
                 loss = model.optimizer.scale_loss(loss * share)
-            return tape.gradient(loss, variables), y_pred
+            # Read after the call: a lazily built model creates its variables in the first one (as Keras' step does).
+            return tape.gradient(loss, model.trainable_variables), y_pred
 
-        gradients, micro_predictions = sum_gradients_keeping_outputs(step_of, steps, variables)
-        model.optimizer.apply(gradients, variables)
+        gradients, micro_predictions = sum_gradients_keeping_outputs(step_of, steps, lambda: model.trainable_variables)
+        model.optimizer.apply(gradients, model.trainable_variables)
         # Metrics once, on the batch's real rows (Keras' unweighted metrics would count the padding rows).
         predictions = tf.nest.map_structure(lambda micro_prediction: _merge_micro_batches(micro_prediction, steps)[:batch],
                                             micro_predictions)
