@@ -101,15 +101,15 @@ class _Reached:
     still decay and its momentum still move)."""
 
     def __init__(self, variables):
-        self._variables = variables  # or a function returning them: read after the first micro-batch built the model
+        self.given = variables  # or a function returning them: read after the first micro-batch built the model
         self.reached = None
 
     @property
     def variables(self) -> list:
         if self.reached is None:
-            self._variables = list(self._variables() if callable(self._variables) else self._variables)
-            self.reached = [False] * len(self._variables)
-        return self._variables
+            self.given = list(self.given() if callable(self.given) else self.given)
+            self.reached = [False] * len(self.given)
+        return self.given
 
     def dense(self, gradients) -> list[tf.Tensor]:
         variables = self.variables
