@@ -104,6 +104,7 @@ def test_under_zero1_each_replica_averages_its_chunks_and_the_checkpoint_resumes
     with averaging.averaged(sharded):
         for weight, value in zip(sharded.trainable_weights, expected):
             np.testing.assert_allclose(weight.numpy(), value, rtol=1e-5, atol=1e-6)
+    assert list(sharded.optimizer.held.gathers) == [("average",)]  # the momentum stayed in its chunks
     path = tf.train.Checkpoint(model=sharded).write(str(tmp_path / "ckpt"))
     single = _model(tf.distribute.get_strategy(), sgd, wrap=sharding.ZeroOneOptimizer)
     single.optimizer.build(single.trainable_variables)

@@ -91,7 +91,7 @@ def test_the_checkpointed_state_is_whole_and_resumes_on_one_replica(tmp_path):
     state = sharded.optimizer.gathered_state()
     assert all(np.any(value) for value in state.values())  # a restore is told apart from a fresh start
     sharded.optimizer.gathered_state()  # every checkpoint save gathers: traced once (it was traced anew at each save)
-    assert sharded.optimizer.held.gather.experimental_get_tracing_count() == 1
+    assert sharded.optimizer.held.gathers[("momentum", "velocity")].experimental_get_tracing_count() == 1
     assert set(state) == {f"{slot}:{index}" for slot in ("momentum", "velocity") for index in range(len(sharded.trainable_variables))}
 
     # The same checkpoint on one device: its whole state lands in the unsharded optimizer's slots.

@@ -135,10 +135,11 @@ def _in_a_loop() -> bool:
     return context is None or context.num_replicas_in_sync == 1 or keras_internals.strategy_supports_no_merge_call()
 
 
-def _chained(function, steps: int, combine, start=None):
+def _chained(function, steps: int, combine):
     """`function(i)` for i = 0 .. steps - 1 as Python-unrolled copies, each starting after the previous one's result
-    (a control dependency), so one micro-batch is alive at a time; folded with `combine(previous, result)`."""
-    folded = start
+    (a control dependency), so one micro-batch is alive at a time; folded with `combine(previous, result)` (previous
+    None at the first)."""
+    folded = None
     for index in range(steps):
         with tf.control_dependencies(tf.nest.flatten(folded) if folded is not None else []):
             result = function(tf.constant(index))

@@ -245,25 +245,27 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
 
     # ------------------------------------------------------------------------------ the whole state (tests, old checkpoints)
 
-    def gathered_state(self) -> dict[str, np.ndarray]:
-        """Every variable's optimizer state, whole, by `{slot}:{index}` in the trainable variables' order: a whole copy
-        on the host, for tests and inspection (checkpoints never call it: `checkpoint_state`)."""
+    def gathered_state(self, slots: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+        """Every variable's optimizer state (or only `slots` of it), whole, by `{slot}:{index}` in the trainable
+        variables' order: a whole copy on the host, for tests, inspection and the moving average's evaluation
+        (checkpoints never call it: `checkpoint_state`)."""
         if not self.built:
             return {}
         variables = self.variables_in_order
+        names = tuple(slots or self.slot_names)
         if self.replicas == 1:
             return {f"{name}:{index}": keras_internals.optimizer_slot(self.inner, name, variable).numpy()
-                    for name in self.slot_names for index, variable in enumerate(variables)}
-        strategy, names = self.held.strategy, list(self.buffers)
-        if self.held.gather is None:  # traced once
+                    for name in names for index, variable in enumerate(variables)}
+        strategy = self.held.strategy
+        if names not in self.held.gathers:  # traced once per set of slots
 
             def gather():
                 context = tf.distribute.get_replica_context()
                 return [context.all_gather(tf.convert_to_tensor(self.buffers[name])[None], axis=0) for name in names]
 
-            self.held.gather = tf.function(lambda: strategy.run(gather))
+            self.held.gathers[names] = tf.function(lambda: strategy.run(gather))
         arrays = {}
-        for name, per_replica in zip(names, self.held.gather()):
+        for name, per_replica in zip(names, self.held.gathers[names]()):
             chunks = strategy.experimental_local_results(per_replica)[0].numpy()  # [replicas, elements]
             for index, variable in enumerate(variables):
                 offset, chunk = self.layout.offsets[index], self.layout.chunks[index]
@@ -273,8 +275,9 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
 
     def whole_averages(self) -> list[np.ndarray]:
         """The moving average of every trainable variable (`use_ema` on the inner optimizer), whole, in their order:
-        gathered from every replica's chunks (`tfmp.averaging.averaged` evaluates and exports it)."""
-        arrays = self.gathered_state()
+        gathered from every replica's chunks, the other slots left where they are (`tfmp.averaging.averaged` evaluates
+        and exports it)."""
+        arrays = self.gathered_state(slots=("average",))
         return [arrays[f"average:{index}"] for index in range(len(self.variables_in_order))]
 
     def scatter_state(self, arrays: dict[str, np.ndarray]) -> None:
@@ -318,7 +321,7 @@ class _Untracked:
         self.inner = None
         self.layout: Layout | None = None
         self.pending: dict | None = None  # state restored before the optimizer was built
-        self.gather = None  # traced functions, kept out of checkpoint tracking too
+        self.gathers: dict = {}  # traced functions by the slots they gather, kept out of checkpoint tracking too
         self.bucket_gathers = None
 
 
