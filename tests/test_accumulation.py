@@ -184,7 +184,7 @@ def _plain_cnn():
                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(16)])
 
 
-def _ssl_method(name, strategy, steps, batch_coupled=None, encoder="vit"):
+def _ssl_method(name, strategy, steps, batch_coupled=None, encoder="vit", stage="none"):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         # LayerNorm (ViT) or no normalisation: the gradient is the big batch's exactly.
@@ -193,13 +193,14 @@ def _ssl_method(name, strategy, steps, batch_coupled=None, encoder="vit"):
                                                 augment_config=augment.AugmentConfig(crop_scale=(0.5, 1.0), flip=False))
         if batch_coupled is not None:
             model.batch_coupled_loss = batch_coupled  # False: what a naive loop computes, each micro-batch its own loss
-        model.compile(optimizer=keras.optimizers.SGD(1.0))  # one step: the weights move by minus the gradient
+        optimizer = keras.optimizers.SGD(1.0)  # one step: the weights move by minus the gradient
+        model.compile(optimizer=optimizer if stage == "none" else sharding.ShardedOptimizer(optimizer, stage=stage))
     return model
 
 
-def _one_step_gradient(name, strategy, steps, batch_coupled=None, encoder="vit", batch=BATCH):
+def _one_step_gradient(name, strategy, steps, batch_coupled=None, encoder="vit", batch=BATCH, stage="none"):
     images, labels = _data(batch)
-    model = _ssl_method(name, strategy, steps, batch_coupled, encoder)
+    model = _ssl_method(name, strategy, steps, batch_coupled, encoder, stage)
     before = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
     model.fit(images, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     after = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])

@@ -121,7 +121,7 @@ def test_a_bad_momentum_a_built_optimizer_and_an_already_sharded_one_are_refused
     built.build([keras.Variable([1.0])])
     with pytest.raises(ValueError, match="not been built yet"):
         averaging.average_weights(built, 0.9)
-    with pytest.raises(ValueError, match="before wrapping it in ZeroOneOptimizer"):
+    with pytest.raises(ValueError, match="before wrapping it in ShardedOptimizer"):
         averaging.average_weights(sharding.ZeroOneOptimizer(keras.optimizers.SGD()), 0.9)
 
 

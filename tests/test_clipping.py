@@ -175,7 +175,7 @@ def test_the_setting_reaches_the_optimizer_the_run_builds():
     plain = optimizers.make_optimizer(validate(Config(global_clipnorm=1.5)), steps_per_epoch=10)
     assert plain.clipped_after_reduction == 1.5 and plain.global_clipnorm is None
     sharded = optimizers.make_optimizer(validate(Config(global_clipnorm=1.5, sharding="zero1")), steps_per_epoch=10)
-    assert isinstance(sharded, sharding.ZeroOneOptimizer) and sharded.global_clipnorm == 1.5
+    assert isinstance(sharded, sharding.ShardedOptimizer) and sharded.stage == "zero1" and sharded.global_clipnorm == 1.5
     assert sharded.inner.global_clipnorm is None
     unclipped = optimizers.make_optimizer(validate(Config()), steps_per_epoch=10)
     assert not unclipped.global_clipnorm and not hasattr(unclipped, "clipped_after_reduction")

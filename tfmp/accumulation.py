@@ -27,6 +27,11 @@ the whole batch's gradient (tests/test_accumulation.py checks it against one big
 state (BatchNorm's moving statistics, random-seed state for dropout and drop path) is put back before the second pass,
 so the second pass draws the same random numbers and the state moves once per step.
 
+Under `--sharding=zero2` (`tfmp.sharding`) each micro-batch's gradients are reduced to the replicas that own their
+chunks as soon as they exist, and each replica sums only its own chunks: the running sum is 1/N of a gradient
+(`gradient_owner` finds the sharded optimizer, `apply_gradients` hands it the summed chunks). The sum is the same;
+the step pays K reductions instead of one.
+
 BatchNorm layers normalise each micro-batch with its own statistics (as unsynchronised BatchNorm does on each
 replica), so a network with BatchNorm in the accumulated part trains close to, not exactly as, the one big batch.
 """
@@ -36,7 +41,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmp import keras_internals
+from tfmp import keras_internals, sharding
 
 
 def check_steps(per_replica_batch: int, steps: int) -> None:
@@ -95,14 +100,38 @@ def two_view_batch(micro: tf.Tensor, steps: int) -> tf.Tensor:
     return tf.reshape(by_view, tf.concat([[-1], rest], axis=0))
 
 
+def gradient_owner(optimizer, steps: int, variables: list | None = None):
+    """The `tfmp.sharding.ShardedOptimizer` whose chunks the micro-batches' gradients are summed as — zero2 on several
+    replicas with more than one micro-batch — or None: whole gradients are summed. Given every trainable variable
+    (`variables`), an unbuilt `optimizer` is built from them (a step that reduces some of them first needs the
+    layout of all)."""
+    sharded = sharding.sharded_optimizer(optimizer)
+    if steps == 1 or sharded is None or sharded.stage != "zero2" or sharded.held.strategy.num_replicas_in_sync == 1:
+        return None
+    if variables is not None and not optimizer.built:
+        optimizer.build(list(variables))
+    return sharded
+
+
+def apply_gradients(optimizer, gradients: list, variables: list, owner=None) -> None:
+    """`optimizer.apply(gradients, variables)`, telling the sharded optimizer `owner` (from `gradient_owner`) that the
+    gradients are its chunks, reduced already."""
+    if owner is None:
+        optimizer.apply(gradients, variables)
+        return
+    with owner.receiving_owned():
+        optimizer.apply(gradients, variables)
+
+
 class _Reached:
     """Which variables the micro-batches' losses reach, seen as the step is traced. A variable none of them reaches
     gets None, as without accumulation (Keras' optimizers leave it untouched), not a zero gradient (which AdamW would
     still decay and its momentum still move)."""
 
-    def __init__(self, variables):
+    def __init__(self, variables, owner=None):
         self.given = variables  # or a function returning them: read after the first micro-batch built the model
         self.reached = None
+        self.owner = owner  # zero2: gradients reduced to this replica's chunks before they are summed
 
     @property
     def variables(self) -> list:
@@ -115,17 +144,17 @@ class _Reached:
         variables = self.variables
         for position, gradient in enumerate(gradients):
             self.reached[position] = self.reached[position] or gradient is not None
-        return [_dense(gradient, variable) for gradient, variable in zip(gradients, variables)]
+        if self.owner is not None:
+            gradients = self.owner.owned_gradients(list(gradients), variables)
+        return [self.zeros(variable) if gradient is None else tf.convert_to_tensor(gradient)
+                for gradient, variable in zip(gradients, variables)]
+
+    def zeros(self, variable) -> tf.Tensor:
+        """A zero gradient of `variable` as it is summed: whole in its dtype, or its chunk (zero2)."""
+        return tf.zeros(variable.shape, variable.dtype) if self.owner is None else self.owner.owned_zeros(variable)
 
     def kept(self, total) -> list:
         return [sum_ if reached else None for sum_, reached in zip(total, self.reached)]
-
-
-def _dense(gradient, variable) -> tf.Tensor:
-    """A gradient as a dense tensor of the variable's dtype; zeros for a variable the loss does not reach."""
-    if gradient is None:
-        return tf.zeros(variable.shape, variable.dtype)
-    return tf.convert_to_tensor(gradient)
 
 
 def _in_a_loop() -> bool:
@@ -147,32 +176,34 @@ def _chained(function, steps: int, combine):
     return folded
 
 
-def sum_gradients(gradients_of, steps: int, variables: list) -> list[tf.Tensor]:
+def sum_gradients(gradients_of, steps: int, variables: list, owner=None) -> list[tf.Tensor]:
     """`sum_i gradients_of(i)` for micro-batches i = 0 .. steps - 1, one after another.
 
     Args:
         gradients_of: micro-batch index (a scalar tensor) -> gradients of `variables` (None for one it does not reach).
         steps: the number of micro-batches.
         variables: what the gradients are taken with respect to.
+        owner: `gradient_owner(optimizer, steps)`: under zero2, each micro-batch's gradients are reduced to their
+            owners and this replica's chunks summed (apply them with `apply_gradients`).
     """
     if steps == 1 or not _in_a_loop():
-        return sum_gradients_keeping_outputs(lambda index: (gradients_of(index), ()), steps, variables)[0]
-    reached = _Reached(variables)
+        return sum_gradients_keeping_outputs(lambda index: (gradients_of(index), ()), steps, variables, owner)[0]
+    reached = _Reached(variables, owner)
 
     def body(index, total):
         return index + 1, [sum_ + gradient for sum_, gradient in zip(total, reached.dense(gradients_of(index)))]
 
-    zeros = [tf.zeros(variable.shape, variable.dtype) for variable in variables]
+    zeros = [reached.zeros(variable) for variable in variables]
     _, total = tf.while_loop(lambda index, _: index < steps, body, (tf.constant(0), zeros), parallel_iterations=1)
     return reached.kept(total)
 
 
-def sum_gradients_keeping_outputs(step_of, steps: int, variables: list):
+def sum_gradients_keeping_outputs(step_of, steps: int, variables: list, owner=None):
     """`sum_gradients` where each micro-batch also returns outputs to keep (e.g. its predictions, for metrics over the
     whole batch): `step_of(i)` -> (gradients, a tree of tensors); returns (summed gradients, each output stacked over
     the micro-batches, `[steps, ...]`). `variables` may be a function returning them, called after the first
     micro-batch ran (a lazily built model has its variables only then)."""
-    reached = _Reached(variables)
+    reached = _Reached(variables, owner)
     dense = reached.dense
     if steps == 1:
         gradients, outputs = step_of(tf.constant(0))
@@ -235,7 +266,8 @@ class StateReplay:
 
 
 def cached_gradients(embed, micro_inputs: tf.Tensor, steps: int, embedding_loss, encoder_variables: list,
-                     other_variables: list, replay: keras.layers.Layer | None = None, *, two_views: bool = False):
+                     other_variables: list, replay: keras.layers.Layer | None = None, *, two_views: bool = False,
+                     owner=None):
     """Gradient caching: the gradient of `embedding_loss(embed(whole batch))` with micro-batches of `embed` in memory.
 
     Args:
@@ -248,6 +280,8 @@ def cached_gradients(embed, micro_inputs: tf.Tensor, steps: int, embedding_loss,
         other_variables: the variables only `embedding_loss` uses (heads, probes).
         replay: the network whose non-trainable state the second pass replays (see `StateReplay`).
         two_views: `micro_inputs` came from `two_view_micro_batches` (the loss reads `[first; second]`).
+        owner: `gradient_owner(optimizer, steps)` (zero2): the encoder's chunks summed over the micro-batches, the
+            heads' gradients reduced once; both returned as this replica's chunks (apply with `apply_gradients`).
 
     Returns:
         (gradients of `encoder_variables`, gradients of `other_variables` — None for one the loss does not reach —,
@@ -272,7 +306,9 @@ def cached_gradients(embed, micro_inputs: tf.Tensor, steps: int, embedding_loss,
             surrogate = tf.reduce_sum(tf.cast(micro_embedding, tf.float32) * tf.cast(micro_gradient[index], tf.float32))
         return tape.gradient(surrogate, encoder_variables)
 
-    encoder_gradients = sum_gradients(gradients_of, steps, encoder_variables)
+    encoder_gradients = sum_gradients(gradients_of, steps, encoder_variables, owner)
+    if owner is not None:
+        other_gradients = owner.owned_gradients(other_gradients, other_variables)
     return encoder_gradients, other_gradients, extra
 
 
@@ -301,6 +337,7 @@ def accumulating_train_step(model: keras.Model, steps: int):
                                tf.nest.map_structure(lambda weight: pad_rows(weight, rows, value=0), sample_weight)), steps)
         micro_rows = rows // steps
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        owner = gradient_owner(model.optimizer, steps)
 
         def step_of(index):
             (x_i, y_i), weight_i = tf.nest.map_structure(lambda tensor: None if tensor is None else tensor[index], micro)
@@ -318,8 +355,9 @@ def accumulating_train_step(model: keras.Model, steps: int):
             # Read after the call: a lazily built model creates its variables in the first one (as Keras' step does).
             return tape.gradient(loss, model.trainable_variables), y_pred
 
-        gradients, micro_predictions = sum_gradients_keeping_outputs(step_of, steps, lambda: model.trainable_variables)
-        model.optimizer.apply(gradients, model.trainable_variables)
+        gradients, micro_predictions = sum_gradients_keeping_outputs(step_of, steps, lambda: model.trainable_variables,
+                                                                     owner)
+        apply_gradients(model.optimizer, gradients, model.trainable_variables, owner)
         # Metrics once, on the batch's real rows (Keras' unweighted metrics would count the padding rows).
         predictions = tf.nest.map_structure(lambda micro_prediction: _merge_micro_batches(micro_prediction, steps)[:batch],
                                             micro_predictions)

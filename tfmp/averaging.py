@@ -12,8 +12,8 @@ the two can no longer be compared. `average_weights` keeps the trained weights i
 the context in which the model holds the average (to evaluate or export it), putting the trained weights back
 after.
 
-Under `--sharding=zero1` the average is one more slot of the sharded state: each replica keeps and updates its
-chunks of it (`tfmp.sharding.ZeroOneOptimizer`), and `averaged` gathers it whole once.
+Under `--sharding=zero1|zero2` the average is one more slot of the sharded state: each replica keeps and updates its
+chunks of it (`tfmp.sharding.ShardedOptimizer`), and `averaged` gathers it whole once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import contextlib
 import keras
 
 from tfmp import keras_internals
-from tfmp.sharding import ZeroOneOptimizer
+from tfmp.sharding import ShardedOptimizer
 
 
 def innermost(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -44,7 +44,7 @@ def average_weights(optimizer: keras.optimizers.Optimizer, momentum: float) -> k
         raise ValueError(f"ema_momentum must be in [0, 1), got {momentum}")
     inner = innermost(optimizer)
     if _is_sharded(inner):
-        raise ValueError("call average_weights on the optimizer before wrapping it in ZeroOneOptimizer (its slots are "
+        raise ValueError("call average_weights on the optimizer before wrapping it in ShardedOptimizer (its slots are "
                          "fixed when it is made)")
     if inner.built:
         raise ValueError("average_weights needs an optimizer that has not been built yet (call it before training)")
@@ -63,7 +63,7 @@ def has_average(optimizer) -> bool:
 
 
 def _is_sharded(optimizer) -> bool:
-    return isinstance(optimizer, ZeroOneOptimizer)
+    return isinstance(optimizer, ShardedOptimizer)
 
 
 def _averages(optimizer) -> tuple[list, list]:

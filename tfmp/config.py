@@ -62,8 +62,8 @@ JIT_COMPILE_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "off", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
 OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
-# What is sharded across replicas, by ZeRO's stage names (tfmp.sharding). zero2 and zero3 join as they are built.
-SHARDING_STAGES = ("none", "zero1")
+# What is sharded across replicas, by ZeRO's stage names (tfmp.sharding). zero3 joins when it is built.
+SHARDING_STAGES = ("none", "zero1", "zero2")
 # Settings renamed: old name -> (new name, the values the old name took). Old config.json files and flags still work.
 RENAMED_SETTINGS = {"optimizer_sharding": ("sharding", ("none", "zero1"))}
 REMAT_MODES = ("none", "blocks", "full")
@@ -268,8 +268,9 @@ class Config:
                                 "or transformer block in the backward pass; full: also each ResNet stage around its blocks).",
                         one_of(*REMAT_MODES))
     sharding: str = _field("none", f"What is sharded across replicas (ZeRO's stages): {', '.join(SHARDING_STAGES)} (zero1: "
-                                   "each replica keeps and updates the optimizer state of its share of the weights; weights "
-                                   "and gradients stay whole).", one_of(*SHARDING_STAGES))
+                                   "each replica keeps and updates the optimizer state of its chunk of the weights; zero2: "
+                                   "also sums only its chunk of the accumulated gradients, with "
+                                   "--gradient_accumulation_steps > 1; the weights stay whole).", one_of(*SHARDING_STAGES))
     optimizer_sharding: str = _field("", "The previous name of --sharding (none or zero1), still accepted.",
                                      unset_or(one_of(*RENAMED_SETTINGS["optimizer_sharding"][1])))
     drop_path_rate: float = _field(0.0, "ViT encoders: stochastic depth of the last block (DeiT's drop path), rising "

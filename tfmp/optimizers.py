@@ -18,7 +18,7 @@ import keras
 from keras import ops
 
 from tfmp import averaging, clipping, keras_internals, precision, update_rules
-from tfmp.sharding import ZeroOneOptimizer
+from tfmp.sharding import ShardedOptimizer
 from tfmp.config import LEARNING_RATE_SCALINGS
 
 # Variables whose names contain these are excluded from weight decay (and LARS adaptation).
@@ -111,8 +111,7 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     Args:
         config: optimizer, learning rate and its scaling, epochs, warmup, weight decay, loss scale,
             `global_clipnorm` (`tfmp.clipping`: after the replicas' sum), `ema_momentum` (`tfmp.averaging`) and
-            `sharding` (`zero1`:
-            `tfmp.sharding.ZeroOneOptimizer` inside the loss scaling).
+            `sharding` (`zero1`, `zero2`: `tfmp.sharding.ShardedOptimizer` inside the loss scaling).
         steps_per_epoch: optimizer steps per epoch.
     """
     peak = scaled_learning_rate(config.learning_rate, config.global_batch_size, config.learning_rate_scaling)
@@ -128,8 +127,8 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
         optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY_NAMES))
     if config.ema_momentum:
         averaging.average_weights(optimizer, config.ema_momentum)
-    if config.sharding == "zero1":
-        optimizer = ZeroOneOptimizer(optimizer, global_clipnorm=config.global_clipnorm or None)
+    if config.sharding != "none":
+        optimizer = ShardedOptimizer(optimizer, global_clipnorm=config.global_clipnorm or None, stage=config.sharding)
     elif config.global_clipnorm:
         optimizer = clipping.clip_after_reduction(optimizer, config.global_clipnorm)
     return precision.wrap_optimizer(

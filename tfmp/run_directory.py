@@ -269,6 +269,9 @@ def check_before_run(config: Config, workdir: str | RunDirectory) -> tuple[Confi
     for note in renamed_settings_given(config):
         logs.once(logger, logging.WARNING, note)
     config = validate(config)
+    if config.sharding == "zero2" and config.gradient_accumulation_steps == 1:
+        logs.once(logger, logging.WARNING, "--sharding=zero2 with --gradient_accumulation_steps=1: no gradient outlives a "
+                  "step, so the step is zero1's (zero2 holds each replica's chunks of the accumulated gradients)")
     directory = as_run_directory(workdir)
     finished = None if config.dry_run else directory.finished_metrics(config)
     if finished is None:

@@ -6,7 +6,8 @@
   keep float32 weights), gradients for the trainable ones;
 * accumulator: with `--gradient_accumulation_steps=K` > 1, two gradient sizes beside one micro-batch's own: the
   running sum and the next sum formed from it (measured: ResNet-18 at batch 256 with K=4 peaks two gradient sizes
-  above the batch-64 step, BUILD_NOTES.md); the activations are then one micro-batch's;
+  above the batch-64 step, BUILD_NOTES.md); the activations are then one micro-batch's. Under `--sharding=zero2`
+  both sums are this replica's chunks (1/N of a gradient each);
 * optimizer state: slots per trainable value (AdamW 2, SGD/LARS momentum 1);
 * activations: what the backward pass keeps, read from the training step's own graph. The
   forward and backward pass of the model are traced (never run) at a batch of 1 and of 2, and
@@ -54,6 +55,7 @@ class MemoryEstimate:
     accumulator_bytes: int = 0  # the running sum of the micro-batches' gradients and the next (0 without accumulation)
     gradient_accumulation_steps: int = 1
     fixed_activations_bytes: int = 0  # the part of the activations no batch size changes (16-bit weight copies)
+    gradient_shards: int = 1  # replicas the accumulated gradients are sharded over (`--sharding=zero2`)
 
     @property
     def total_bytes(self) -> int:
@@ -146,7 +148,8 @@ def activation_bytes(model: keras.Model, input_shape: tuple[int, ...]) -> tuple[
 
 
 def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replica_batch: int, optimizer: str = "adamw",
-                    views: int = 1, optimizer_shards: int = 1, accumulation_steps: int = 1) -> MemoryEstimate:
+                    views: int = 1, optimizer_shards: int = 1, accumulation_steps: int = 1,
+                    gradient_shards: int = 1) -> MemoryEstimate:
     """Estimates one replica's training memory.
 
     Args:
@@ -159,6 +162,8 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
             its share (an equal chunk of every variable, the last padded).
         accumulation_steps: micro-batches per step (`--gradient_accumulation_steps`): the activations are one
             micro-batch's, plus two gradient sizes (the running sum and the next).
+        gradient_shards: replicas the accumulated gradients are sharded over (`--sharding=zero2`): the running sum
+            and the next are each replica's chunks.
     """
     params = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
     trainable = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
@@ -171,9 +176,10 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
         gradients_bytes=trainable,
         optimizer_bytes=-(-trainable * OPTIMIZER_SLOTS.get(optimizer, 2) // optimizer_shards),
         activations_bytes=activations,
-        accumulator_bytes=2 * trainable if accumulation_steps > 1 else 0,
+        accumulator_bytes=2 * -(-trainable // gradient_shards) if accumulation_steps > 1 else 0,
         gradient_accumulation_steps=accumulation_steps,
         fixed_activations_bytes=fixed,
+        gradient_shards=gradient_shards,
     )
 
 

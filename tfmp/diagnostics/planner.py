@@ -11,7 +11,8 @@ activations scale with the micro-batch, and accumulating adds two gradient sizes
 in step time, is measured in BUILD_NOTES.md, "Memory planner".
 
 Where the weights, gradients and optimizer state alone do not fit, it says so, and what sharding the optimizer state
-over the replicas (`--sharding=zero1`) would leave; tfmp does not shard weights or gradients.
+over the replicas (`--sharding=zero1`) would leave; tfmp does not shard the weights yet (zero2 shards only the
+accumulated gradients, counted in the accumulator).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_r
                 break
     micro_batch = max(per_replica_batch // accumulation_steps, 1)
     per_example = own.activations_bytes / micro_batch  # the fixed part counted per example too: errs on the safe side
-    accumulator = 2 * own.gradients_bytes  # the running sum and the next, with more than one micro-batch
+    # The running sum and the next, with more than one micro-batch (each replica's chunks under zero2).
+    accumulator = 2 * -(-own.gradients_bytes // own.gradient_shards)
     room = usable - state - (accumulator if accumulation_steps > 1 else 0)
     largest = int(room // per_example) * accumulation_steps if per_example and room > 0 else 0
     zero1_state = own.params_bytes + own.gradients_bytes + -(-own.optimizer_bytes // replicas)

@@ -5,18 +5,20 @@ One module per concern:
 * `layout` — which replica holds what: every variable cut into equal chunks, one per replica, taken in buckets;
 * `collectives` — how each replica receives the summed gradients of its chunks (NCCL reduce-scatter on GPUs, an
   all-reduce elsewhere);
-* `optimizer` — `ZeroOneOptimizer`, the step: each replica updates its chunks with the rules of `tfmp.update_rules`
-  and the updated weights are gathered to every replica, bucket by bucket;
+* `optimizer` — `ShardedOptimizer`, the step: each replica updates its chunks with the rules of `tfmp.update_rules`
+  and the updated weights are gathered to every replica, bucket by bucket; under zero2 the accumulated gradients
+  are held as chunks too (`owned_gradients`, summed by `tfmp.accumulation`);
 * `checkpoint_state` — the sharded state in checkpoints, written from where it lives, read into any layout.
 
-`--sharding` takes ZeRO's stage names (`tfmp.config.SHARDING_STAGES`). Built: `zero1` (optimizer state). Not built yet:
-`zero2` (gradients too) and `zero3` / FSDP (weights too) — BUILD_NOTES.md says what stands in the way.
+`--sharding` takes ZeRO's stage names (`tfmp.config.SHARDING_STAGES`). Built: `zero1` (optimizer state) and `zero2`
+(gradients too, where they outlive a micro-batch). Not built yet: `zero3` / FSDP (weights too) — BUILD_NOTES.md says
+what stands in the way.
 """
 
 from tfmp.sharding.collectives import (GRADIENT_REDUCTIONS, AllReduceShares, NcclReduceScatter,
                                        choose_gradient_reduction)
 from tfmp.sharding.layout import Layout
-from tfmp.sharding.optimizer import ZeroOneOptimizer
+from tfmp.sharding.optimizer import ShardedOptimizer, ZeroOneOptimizer, sharded_optimizer
 
-__all__ = ["GRADIENT_REDUCTIONS", "AllReduceShares", "NcclReduceScatter", "Layout", "ZeroOneOptimizer",
-           "choose_gradient_reduction"]
+__all__ = ["GRADIENT_REDUCTIONS", "AllReduceShares", "NcclReduceScatter", "Layout", "ShardedOptimizer",
+           "ZeroOneOptimizer", "choose_gradient_reduction", "sharded_optimizer"]

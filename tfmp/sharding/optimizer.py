@@ -1,6 +1,7 @@
-"""ZeRO stage 1: the optimizer step with each replica holding the optimizer state of its chunk of every variable.
+"""ZeRO stages 1 and 2: the optimizer step with each replica holding the optimizer state of its chunk of every variable.
 
-`ZeroOneOptimizer(inner)` wraps AdamW/Adam, SGD (with or without momentum) or tfmp's LARS. Under a strategy with N
+`ShardedOptimizer(inner, stage="zero1")` (also spelled `ZeroOneOptimizer(inner)`) wraps AdamW/Adam, SGD (with or
+without momentum) or tfmp's LARS. Under a strategy with N
 replicas, each replica keeps the optimizer state (Adam's two moments, the momentum) of its 1/N chunk of every
 variable (`tfmp.sharding.layout`) in one flat per-replica (`ON_READ`) buffer per slot. A step goes bucket by bucket
 (at most `layout.BUCKET_BYTES` of gradients each, the last layers first, as the backward pass produces them):
@@ -28,7 +29,16 @@ scales them by the global norm summed across replicas, then updates (`tfmp.clipp
 The moving average of the weights (the inner optimizer's `use_ema`, `tfmp.averaging`) is one more slot: each
 replica averages its chunks after updating them.
 
-Not sharded: weights and gradients stay whole on every replica (ZeRO stages 2 and 3, FSDP). Limits (refused with
+**zero2** (`stage="zero2"`) also keeps only the replica's chunks of the gradients where gradients persist: across the
+micro-batches of `--gradient_accumulation_steps` (`tfmp.accumulation`), each micro-batch's gradients are reduced to
+their owners bucket by bucket (`owned_gradients`) as soon as they exist, and each replica sums only its chunks — 1/N
+of a gradient instead of the whole running sum. The summed chunks go through the loss-scale optimizer as they are
+(its overflow check and unscaling are element-wise; the check is all-reduced) and `apply` updates from them with no
+second reduction (`receiving_owned`). It pays K reductions a step instead of one, as DeepSpeed's stage 2 does. Without
+accumulation the gradients of a step do not outlive it and zero2's step is zero1's (each bucket reduced and updated
+on its own: no replica holds more than one bucket of reduced gradients).
+
+Not sharded: the weights stay whole on every replica (ZeRO stage 3, FSDP). Limits (refused with
 one line where they apply, `update_rules.check_supported`): per-tensor clipping, Keras' `gradient_accumulation_steps`
 (tfmp's own accumulation composes: `tfmp.accumulation`), `ema_overwrite_frequency`, AMSGrad, and optimizers other
 than the three above.
@@ -36,6 +46,7 @@ than the three above.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import keras
@@ -50,9 +61,13 @@ from tfmp.sharding.layout import Layout
 logger = logging.getLogger(__name__)
 
 
+STAGES = ("zero1", "zero2")
+
+
 @keras.saving.register_keras_serializable(package="tfmp")
-class ZeroOneOptimizer(keras.optimizers.Optimizer):
-    """ZeRO stage 1: each replica holds and updates the optimizer state of its chunk of every variable.
+class ShardedOptimizer(keras.optimizers.Optimizer):
+    """ZeRO stages 1 and 2: each replica holds and updates the optimizer state of its chunk of every variable
+    (and under zero2 sums only its chunks of the accumulated gradients).
 
     Args:
         inner: the optimizer whose update rule is applied (AdamW, Adam, SGD or `tfmp.optimizers.LARS`); it owns the
@@ -61,17 +76,23 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             where every replica is a GPU, an all-reduce elsewhere), "all_reduce" or "reduce_scatter".
         global_clipnorm: clip the summed gradient to this global norm (`tfmp.clipping`: the norm summed across every
             replica's chunks); None takes the inner optimizer's own `global_clipnorm`.
+        stage: "zero1" or "zero2" (see the module docstring). Checkpoints are the same for both: a run resumes
+            under the other.
     """
 
-    def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str = "zero1",
-                 global_clipnorm: float | None = None, **kwargs):
-        super().__init__(learning_rate=0.0, name=name, **kwargs)
+    def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str | None = None,
+                 global_clipnorm: float | None = None, stage: str = "zero1", **kwargs):
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {', '.join(STAGES)}, not {stage!r} (zero3 shards the weights: "
+                             "not built yet)")
+        super().__init__(learning_rate=0.0, name=name or stage, **kwargs)
+        self.stage = stage
         self.gradient_reduction = gradient_reduction
         # Clipping is the step's, after the sum; the inner optimizer would clip each replica's gradient (on one
         # replica it runs unchanged: the clipping is done here before it).
         self.global_clipnorm = global_clipnorm if global_clipnorm is not None else getattr(inner, "global_clipnorm", None)
         inner.global_clipnorm = None
-        update_rules.check_supported(inner, "sharding=zero1")
+        update_rules.check_supported(inner, f"sharding={stage}")
         self.slot_names = update_rules.slot_names(inner)
         # The per-replica buffers and the inner optimizer (whose slots exist on one replica only) are kept out of
         # TensorFlow's checkpoint tracking: the state goes through `state_shards`, whole per variable, so a
@@ -87,7 +108,7 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         self.held.reduction = choose_gradient_reduction(self.held.strategy, gradient_reduction)
         self.replicas = 1
         if self.held.strategy.num_replicas_in_sync == 1:  # said here, before fit() prints its first epoch line
-            logs.once(logger, logging.WARNING, "sharding=zero1 on one replica: nothing is sharded (the optimizer runs "
+            logs.once(logger, logging.WARNING, f"sharding={stage} on one replica: nothing is sharded (the optimizer runs "
                       "unchanged)")
 
     # ------------------------------------------------------------------------------ layout
@@ -159,7 +180,7 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             return
         context = tf.distribute.get_replica_context()
         if context is None:
-            raise ValueError("sharding=zero1 applies gradients inside strategy.run (replica context)")
+            raise ValueError(f"sharding={self.stage} applies gradients inside strategy.run (replica context)")
         grads = list(grads)
         if all(gradient is None for gradient in grads):  # as Keras' own optimizers refuse it
             raise ValueError(f"No gradients provided for any variable ({len(self.variables_in_order)} variables)")
@@ -168,15 +189,70 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
         order = self.held.reduction.rank_order(context)
         states = {name: {} for name in self.slot_names}
         buckets = list(reversed(self.layout.buckets))  # the last layers' gradients are ready first
-        if self.global_clipnorm:  # the global norm needs every bucket's sum first: each replica keeps its chunks
+        if self.held.receiving_owned:  # reduced already (zero2's accumulation): each gradient is this replica's chunk
+            owns = [tf.concat([self._owned_or_zeros(grads[index], index) for index in bucket], axis=0) for bucket in buckets]
+            owns = self._clipped(context, owns) if self.global_clipnorm else owns
+        elif self.global_clipnorm:  # the global norm needs every bucket's sum first: each replica keeps its chunks
             owns = self._clipped(context, [self._reduce_bucket(context, bucket, grads, order) for bucket in buckets])
+        else:
+            owns = None  # each bucket reduced just before its update, so one bucket of reduced gradients is alive
         for position, bucket in enumerate(buckets):
-            own = owns[position] if self.global_clipnorm else self._reduce_bucket(context, bucket, grads, order)
+            own = owns[position] if owns is not None else self._reduce_bucket(context, bucket, grads, order)
             self._update_bucket(context, bucket, own, grads, learning_rate, step, states)
         for name, buffer in self.buffers.items():
             buffer.assign(tf.concat([states[name][index] for index in range(len(grads))] + self._padding(), axis=0))
         self.inner.iterations.assign_add(1)
         self.iterations.assign_add(1)
+
+    # ------------------------------------------------------------------------------ zero2: gradients held as chunks
+
+    def owned_gradients(self, grads, variables) -> list:
+        """This replica's chunks of `grads` summed over the replicas (call in replica context, on several replicas).
+
+        `variables` are the trainable variables `grads` belong to, all of them or some (a gradient-caching step
+        reduces the encoder's gradients per micro-batch and the heads' once); an unbuilt optimizer is built from
+        them, so pass all of them the first time. Returns, for each variable, a float32 vector of its chunk length
+        (`layout.chunks`), or None where the gradient is None. Each bucket is reduced on its own, as soon as its
+        gradients exist (no bucket waits for another), the last layers first."""
+        if not self.built:
+            self.build(list(variables))
+        context = tf.distribute.get_replica_context()
+        index_of = {id(variable): index for index, variable in enumerate(self.variables_in_order)}
+        positions = [index_of[id(variable)] for variable in variables]
+        by_index = [None] * len(self.variables_in_order)
+        for index, gradient in zip(positions, grads):
+            by_index[index] = gradient
+        order = self.held.reduction.rank_order(context)
+        owned = {}
+        for bucket in reversed(self.layout.buckets):
+            present = [index for index in bucket if by_index[index] is not None]
+            if not present:  # the same on every replica: the graph is the same
+                continue
+            own = self._reduce_bucket(context, bucket, by_index, order)
+            start = 0
+            for index in bucket:
+                owned[index] = own[start:start + self.layout.chunks[index]]
+                start += self.layout.chunks[index]
+        return [owned[index] if by_index[index] is not None else None for index in positions]
+
+    def owned_zeros(self, variable) -> tf.Tensor:
+        """Zeros the shape of `variable`'s chunk (what `owned_gradients` gives it), for a running sum."""
+        index = [id(known) for known in self.variables_in_order].index(id(variable))
+        return tf.zeros([self.layout.chunks[index]])
+
+    @contextlib.contextmanager
+    def receiving_owned(self):
+        """Inside it, `apply` (directly or through a loss-scale optimizer) takes gradients that `owned_gradients`
+        reduced already: each replica's chunks, summed over the replicas. A count, not a flag: MirroredStrategy traces
+        each replica in a thread of its own, and the update may run in threads started after every replica entered."""
+        self.held.receiving_owned += 1
+        try:
+            yield
+        finally:
+            self.held.receiving_owned -= 1
+
+    def _owned_or_zeros(self, chunk, index: int):
+        return tf.zeros([self.layout.chunks[index]]) if chunk is None else tf.cast(chunk, tf.float32)
 
     def _chunked(self, tensor, index: int):
         """Variable `index`'s tensor flat in float32, padded and cut into [replicas, chunk] (zeros for None)."""
@@ -293,13 +369,18 @@ class ZeroOneOptimizer(keras.optimizers.Optimizer):
             _whole(arrays, name, index, variables[index]).reshape(-1)[start:stop] for index, start, stop in ranges])
 
     def get_config(self):
-        return {"name": self.name, "inner": keras.saving.serialize_keras_object(self.inner),
+        return {"name": self.name, "inner": keras.saving.serialize_keras_object(self.inner), "stage": self.stage,
                 "gradient_reduction": self.gradient_reduction, "global_clipnorm": self.global_clipnorm}
 
     @classmethod
     def from_config(cls, config):
         config = dict(config)
         return cls(keras.saving.deserialize_keras_object(config.pop("inner")), **config)
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class ZeroOneOptimizer(ShardedOptimizer):
+    """`ShardedOptimizer` (stage zero1 by default), by the name it had before zero2: optimizers saved under it load."""
 
 
 def _whole(arrays: dict, name: str, index: int, variable) -> np.ndarray:
@@ -323,8 +404,16 @@ class _Untracked:
         self.pending: dict | None = None  # state restored before the optimizer was built
         self.gathers: dict = {}  # traced functions by the slots they gather, kept out of checkpoint tracking too
         self.bucket_gathers = None
+        self.receiving_owned = 0  # > 0 while a step applies gradients reduced already (`receiving_owned`)
 
 
 def _write_all(strategy, variables, values):
     for variable, value in zip(variables, values):
         strategy.extended.update(variable.value, lambda target, new: target.assign(new), args=(value,), group=False)
+
+
+def sharded_optimizer(optimizer) -> ShardedOptimizer | None:
+    """The `ShardedOptimizer` `optimizer` is or wraps (inside a loss-scale optimizer), or None."""
+    while optimizer is not None and not isinstance(optimizer, ShardedOptimizer):
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return optimizer

@@ -160,11 +160,12 @@ class TwoViewModel(keras.Model):
                 targets = None if targets is None else tf.nest.map_structure(
                     lambda tensor: self._padded_views(tensor, batch, rows), targets)
                 labels = None if labels is None else accumulation.pad_rows(labels, rows, value=-1)  # -1: unlabeled
+        owner = accumulation.gradient_owner(self.optimizer, steps, variables)  # zero2: gradients summed as this replica's chunks
         if self.gradient_accumulation_steps > 1 and self.batch_coupled_loss:
-            gradients = self._cached_gradients(views, batch, targets, labels, variables)
+            gradients = self._cached_gradients(views, batch, targets, labels, variables, owner)
         else:
-            gradients = self._accumulated_gradients(views, batch, targets, labels, variables)
-        self.optimizer.apply(gradients, variables)
+            gradients = self._accumulated_gradients(views, batch, targets, labels, variables, owner)
+        accumulation.apply_gradients(self.optimizer, gradients, variables, owner)
         self.after_update()
         return {metric.name: metric.result() for metric in self.metrics}
 
@@ -195,7 +196,7 @@ class TwoViewModel(keras.Model):
             loss = self.optimizer.scale_loss(loss)
         return loss
 
-    def _accumulated_gradients(self, views, batch, targets, labels, variables) -> list:
+    def _accumulated_gradients(self, views, batch, targets, labels, variables, owner=None) -> list:
         """The gradient of the loss over `gradient_accumulation_steps` micro-batches, each with its own loss (the whole
         batch's for a loss that is a mean over examples; `steps == 1`: the one batch). A padded batch's copied rows
         count in their micro-batch's mean (the last batch of an epoch from arrays only)."""
@@ -219,9 +220,9 @@ class TwoViewModel(keras.Model):
                 loss = self._for_optimizer(loss / steps)
             return tape.gradient(loss, variables)
 
-        return accumulation.sum_gradients(gradients_of, steps, variables)
+        return accumulation.sum_gradients(gradients_of, steps, variables, owner)
 
-    def _cached_gradients(self, views, batch, targets, labels, variables) -> list:
+    def _cached_gradients(self, views, batch, targets, labels, variables, owner=None) -> list:
         """The whole batch's gradient by gradient caching (`tfmp.accumulation.cached_gradients`): the encoder in
         micro-batches (`views` padded to a multiple of them), the heads and the loss on the whole batch's real rows."""
         steps = self.gradient_accumulation_steps
@@ -236,7 +237,7 @@ class TwoViewModel(keras.Model):
 
         encoder_gradients, head_gradients, _ = accumulation.cached_gradients(
             lambda images: self.encoder(images, training=True), accumulation.two_view_micro_batches(views, steps), steps,
-            loss, encoder_variables, head_variables, replay=self.encoder, two_views=True)
+            loss, encoder_variables, head_variables, replay=self.encoder, two_views=True, owner=owner)
         by_variable = {id(variable): gradient for variable, gradient in
                        zip([*encoder_variables, *head_variables], [*encoder_gradients, *head_gradients])}
         return [by_variable[id(variable)] for variable in variables]
