@@ -41,6 +41,23 @@ def test_the_plan_names_the_cheapest_remat_and_the_largest_batch_that_fit():
     assert not tight.fits and "optimizer state alone take" in tight.summary()
 
 
+def test_on_several_replicas_the_plan_names_the_sharding_stages_that_fit():
+    """usable 300 MiB; weights 60, gradients 60, AdamW state 120 MiB (240), activations at 64 images on top."""
+    def summary(activations_mib, replicas=2):
+        estimates = {"none": _estimate(activations_mib, state_mib=240), "blocks": _estimate(50, state_mib=240)}
+        return planner.plan(estimates.__getitem__, device_bytes=400 * MIB, remat="none", per_replica_batch=64,
+                            replicas=replicas).summary()
+
+    # 340 MiB; zero1 halves the state: 280 MiB fits, named first (no extra compute); zero2 is not needed.
+    assert summary(100).endswith("needs --sharding=zero1 (280 MiB, the optimizer state split over 2 replicas) or "
+                                 "--remat=blocks (290 MiB) or at most 38 images/replica with --remat=none")
+    # 440 MiB; zero1 leaves 380. Accumulating unsharded never fits (two gradient sizes, 120 MiB, on the 240 MiB
+    # state); under zero2 they are 60 MiB and the state 180: 4 micro-batches of 16 images, 290 MiB.
+    assert summary(200).endswith("needs --remat=blocks (290 MiB) or --sharding=zero2 with "
+                                 "--gradient_accumulation_steps=4 (290 MiB) or at most 19 images/replica with --remat=none")
+    assert "--sharding" not in summary(200, replicas=1)
+
+
 @pytest.mark.parametrize("device_bytes, usable", [(2 ** 10, "768 bytes usable of 1 KiB"), (2 ** 20, "768 KiB usable of 1 MiB"),
                                                   (2 ** 40, "768 GiB usable of 1 TiB"), (1536 * MIB, "1.12 GiB usable of 1.5 GiB")])
 def test_the_plan_reads_its_figures_in_units_that_fit_their_size(device_bytes, usable):

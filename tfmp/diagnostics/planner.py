@@ -10,9 +10,11 @@ activations scale with the micro-batch, and accumulating adds two gradient sizes
 (cuDNN, XLA, allocator fragmentation). How close the estimate comes to the allocator's peak, and what remat costs
 in step time, is measured in BUILD_NOTES.md, "Memory planner".
 
-Where the weights, gradients and optimizer state alone do not fit, it says so, and what sharding the optimizer state
-over the replicas (`--sharding=zero1`) would leave; tfmp does not shard the weights yet (zero2 shards only the
-accumulated gradients, counted in the accumulator).
+On several replicas of an unsharded run it also names the sharding stages that fit: `--sharding=zero1` (the optimizer
+state split over the replicas: no measurable step-time cost, BUILD_NOTES.md) first when it alone makes the run fit,
+and `--sharding=zero2` with the fewest micro-batches when that needs fewer than accumulating unsharded (the running
+sum of the gradients split too). Where the weights, gradients and optimizer state alone do not fit, it says so, and
+what zero1 would leave; tfmp does not shard the weights yet.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class Plan:
     zero1_state_bytes: int = 0  # the state with the optimizer's sharded over the replicas (`--sharding=zero1`)
     accumulation_steps: int = 1  # the run's `--gradient_accumulation_steps`
     accumulation_totals: dict[int, int] = dataclasses.field(default_factory=dict)  # steps -> bytes, the run's remat mode
+    replicas: int = 1  # replicas an unsharded run could shard over (1: already sharded, or one replica)
+    zero1_total: int = 0  # the run's total with --sharding=zero1 (0: not offered)
+    zero2_accumulation_totals: dict[int, int] = dataclasses.field(default_factory=dict)  # steps -> bytes under zero2
 
     @property
     def smallest_fitting_accumulation(self) -> int:
@@ -100,11 +105,21 @@ class Plan:
             return (f"memory plan: does not fit: weights, gradients and optimizer state alone take {readable_bytes(self.state_bytes)} "
                     f"({budget}){sharding}; tfmp does not shard weights or gradients (see BUILD_NOTES.md)")
         cheaper = self.cheapest_fitting
-        options = [f"--remat={cheaper} ({readable_bytes(self.totals[cheaper])})"] if cheaper else []
+        options = []
+        if self.zero1_total and self.zero1_total <= self.usable_bytes:  # no extra compute: named first
+            options.append(f"--sharding=zero1 ({readable_bytes(self.zero1_total)}, the optimizer state split over "
+                           f"{self.replicas} replicas)")
+        if cheaper:
+            options.append(f"--remat={cheaper} ({readable_bytes(self.totals[cheaper])})")
         steps = self.smallest_fitting_accumulation
         if steps:
             options.append(f"--gradient_accumulation_steps={steps} with --remat={self.remat} "
                            f"({readable_bytes(self.accumulation_totals[steps])}, the same global batch)")
+        sharded_steps = next((count for count, total in sorted(self.zero2_accumulation_totals.items())
+                              if total <= self.usable_bytes), 0)
+        if sharded_steps > 1 and (not steps or sharded_steps < steps):
+            options.append(f"--sharding=zero2 with --gradient_accumulation_steps={sharded_steps} "
+                           f"({readable_bytes(self.zero2_accumulation_totals[sharded_steps])})")
         if self.largest_batch:
             options.append(f"at most {self.largest_batch} images/replica with --remat={self.remat}")
         return f"memory plan: does not fit: {own} ({budget}); needs {' or '.join(options) or 'a smaller model'}"
@@ -135,6 +150,7 @@ def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_r
     room = usable - state - (accumulator if accumulation_steps > 1 else 0)
     largest = int(room // per_example) * accumulation_steps if per_example and room > 0 else 0
     zero1_state = own.params_bytes + own.gradients_bytes + -(-own.optimizer_bytes // replicas)
+    saved_state = own.optimizer_bytes - -(-own.optimizer_bytes // replicas)  # what zero1 and zero2 leave out
     # Other micro-batch counts from the run's estimate: its per-example activations scaled, the fixed part kept.
     fixed = own.fixed_activations_bytes
     per_micro_example = (own.activations_bytes - fixed) / micro_batch
@@ -142,5 +158,8 @@ def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_r
     accumulation_totals = {steps: without_activations + (accumulator if steps > 1 else 0) + fixed
                            + int(per_micro_example * per_replica_batch / steps)
                            for steps in range(1, per_replica_batch + 1) if per_replica_batch % steps == 0}
+    sharded_accumulator = 2 * -(-own.gradients_bytes // replicas)
+    zero2_totals = {steps: total - saved_state - (accumulator - sharded_accumulator if steps > 1 else 0)
+                    for steps, total in accumulation_totals.items()} if replicas > 1 else {}
     return Plan(device_bytes, remat, per_replica_batch, totals, state, max(0, largest), zero1_state, accumulation_steps,
-                accumulation_totals)
+                accumulation_totals, replicas, own.total_bytes - saved_state if replicas > 1 else 0, zero2_totals)
