@@ -23,7 +23,9 @@ class AllReduceShares:
 
     def own_chunk(self, context, packed, replicas: int):
         total = context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
-        return tf.reshape(total, [replicas, -1])[context.replica_id_in_sync_group]
+        # A gather, not a slice: TensorFlow's CPU slice along the first axis returns a view that keeps the whole
+        # reduced bucket alive for as long as the chunk lives (zero2 keeps chunks across micro-batches).
+        return tf.gather(tf.reshape(total, [replicas, -1]), context.replica_id_in_sync_group)
 
 
 class NcclReduceScatter:

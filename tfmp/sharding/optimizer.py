@@ -190,14 +190,15 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         states = {name: {} for name in self.slot_names}
         buckets = list(reversed(self.layout.buckets))  # the last layers' gradients are ready first
         if self.held.receiving_owned:  # reduced already (zero2's accumulation): each gradient is this replica's chunk
-            owns = [tf.concat([self._owned_or_zeros(grads[index], index) for index in bucket], axis=0) for bucket in buckets]
-            owns = self._clipped(context, owns) if self.global_clipnorm else owns
+            chunks = [[self._owned_or_zeros(grads[index], index) for index in bucket] for bucket in buckets]
         elif self.global_clipnorm:  # the global norm needs every bucket's sum first: each replica keeps its chunks
-            owns = self._clipped(context, [self._reduce_bucket(context, bucket, grads, order) for bucket in buckets])
+            chunks = [self._reduce_bucket(context, bucket, grads, order) for bucket in buckets]
         else:
-            owns = None  # each bucket reduced just before its update, so one bucket of reduced gradients is alive
+            chunks = None  # each bucket reduced just before its update, so one bucket of reduced gradients is alive
+        if self.global_clipnorm:
+            chunks = self._clipped(context, chunks)
         for position, bucket in enumerate(buckets):
-            own = owns[position] if owns is not None else self._reduce_bucket(context, bucket, grads, order)
+            own = chunks[position] if chunks is not None else self._reduce_bucket(context, bucket, grads, order)
             self._update_bucket(context, bucket, own, grads, learning_rate, step, states)
         for name, buffer in self.buffers.items():
             buffer.assign(tf.concat([states[name][index] for index in range(len(grads))] + self._padding(), axis=0))
@@ -228,11 +229,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             present = [index for index in bucket if by_index[index] is not None]
             if not present:  # the same on every replica: the graph is the same
                 continue
-            own = self._reduce_bucket(context, bucket, by_index, order)
-            start = 0
-            for index in bucket:
-                owned[index] = own[start:start + self.layout.chunks[index]]
-                start += self.layout.chunks[index]
+            owned.update(zip(bucket, self._reduce_bucket(context, bucket, by_index, order)))
         return [owned[index] if by_index[index] is not None else None for index in positions]
 
     def owned_zeros(self, variable) -> tf.Tensor:
@@ -266,25 +263,27 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         used = sum(self.layout.chunks)
         return [tf.zeros([self.layout.elements - used])] if used < self.layout.elements else []
 
-    def _reduce_bucket(self, context, bucket, grads, order):
-        """This replica's chunks of the bucket's gradients, summed over the replicas."""
+    def _reduce_bucket(self, context, bucket, grads, order) -> list:
+        """This replica's chunk of each of the bucket's gradients, summed over the replicas."""
         packed = tf.concat([self._chunked(grads[index], index) for index in bucket], axis=1)  # [replicas, bucket chunk]
         packed = tf.reshape(packed if order is None else tf.gather(packed, order), [-1])
-        return self.held.reduction.own_chunk(context, packed, self.replicas)
+        own = self.held.reduction.own_chunk(context, packed, self.replicas)
+        starts = np.cumsum([0] + [self.layout.chunks[index] for index in bucket])
+        return [own[start:start + self.layout.chunks[index]] for start, index in zip(starts, bucket)]
 
-    def _clipped(self, context, owns: list) -> list:
-        """Every replica's chunks scaled by `min(1, clipnorm / norm)`, the norm of the whole summed gradient."""
-        squares = tf.add_n([tf.reduce_sum(tf.square(own)) for own in owns])
+    def _clipped(self, context, chunks: list) -> list:
+        """Every replica's chunks (a list per bucket) scaled by `min(1, clipnorm / norm)`, the norm of the whole summed
+        gradient."""
+        squares = tf.add_n([tf.reduce_sum(tf.square(chunk)) for bucket in chunks for chunk in bucket])
         norm = tf.sqrt(context.all_reduce(tf.distribute.ReduceOp.SUM, squares))
         factor = self.global_clipnorm / tf.maximum(norm, self.global_clipnorm)
-        return [own * factor for own in owns]
+        return [[chunk * factor for chunk in bucket] for bucket in chunks]
 
-    def _update_bucket(self, context, bucket, own, grads, learning_rate, step, states):
+    def _update_bucket(self, context, bucket, gradients, grads, learning_rate, step, states):
         layout, variables = self.layout, self.variables_in_order
         replica = context.replica_id_in_sync_group
         starts = np.cumsum([0] + [layout.chunks[index] for index in bucket])
         weights = [tf.gather(self._chunked(variables[index].value, index), replica) for index in bucket]
-        gradients = [own[start:start + layout.chunks[index]] for start, index in zip(starts, bucket)]
         norms = self._lars_norms(context, bucket, weights, gradients)
         new_weights = []
         for position, index in enumerate(bucket):
