@@ -112,6 +112,7 @@ def test_under_bf16_micro_batches_move_the_run_less_than_bf16_itself_does():
     assert distance(bf16_micro, float32) < 1.25 * distance(bf16, float32)
 
 
+@pytest.mark.slow  # ~12 s; tests/test_zero2.py holds zero2 = none and zero1's state = zero2's with micro-batches
 def test_zero1_with_four_micro_batches_ends_where_the_unsharded_optimizer_does():
     # SGD: AdamW's m / (sqrt(v) + epsilon) turns rounding in near-zero gradient sums into visible differences
     # (zero1 and Keras sum the replicas' gradients in another order), with or without accumulation.

@@ -145,6 +145,7 @@ def test_the_resume_plan_keeps_the_epochs_and_steps_of_a_run_never_stopped(saved
     assert saved[1] + steps == 110  # the resumed fits take exactly the steps left
 
 
+@pytest.mark.slow  # ~30 s; accumulation adds no state to resume (tests/test_accumulation.py), resume is tested above
 def test_a_run_taking_its_batches_in_micro_batches_stopped_mid_epoch_resumes_bit_for_bit():
     """--gradient_accumulation_steps=4: a step is still one optimizer step over the whole batch, so a checkpoint falls
     only between optimizer steps and the rerun ends as the run never stopped."""

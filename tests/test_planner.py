@@ -68,6 +68,7 @@ def test_the_plan_reads_its_figures_in_units_that_fit_their_size(device_bytes, u
     assert planner.readable_bytes(40 * MIB) == "40 MiB" and planner.readable_bytes(3 * 2 ** 50 // 2) == "1.5 PiB"
 
 
+@pytest.mark.slow  # ~40 s of CLI dry runs; the plan's logic is tested above, the CLI's refusal below
 def test_the_recommendation_changes_as_the_device_memory_shrinks(tmp_path, capsys):
     verdicts = []
     for memory in ("8GiB", "1536MiB", "600MiB", "100MiB"):

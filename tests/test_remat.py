@@ -79,7 +79,8 @@ print(json.dumps(peaks))
 """
 
 
-@pytest.mark.parametrize("policy", ["float32", pytest.param("mixed_bfloat16", marks=pytest.mark.requires_bf16_cpu)])
+@pytest.mark.parametrize("policy", ["float32", pytest.param("mixed_bfloat16", marks=[pytest.mark.requires_bf16_cpu,
+                                                                                     pytest.mark.slow])])  # ~18 s
 def test_blocks_lower_the_measured_step_peak(policy):
     """The recomputation is real (not merged back by graph optimisation): the measured peak drops by >= 15%
     (37% float32, 23% bf16 measured for ResNet-18 at batch 64, BUILD_NOTES.md).

@@ -148,6 +148,8 @@ def test_simclr_run_is_reproducible_from_its_seed():
     assert loss_c != pytest.approx(loss_a, rel=1e-4)
 
 
+@pytest.mark.slow  # ~45 s (fp16 is TF's slow CPU path); overflow skipping stays in the default suite through
+# tests/test_loss_scale_replicas.py, test_accumulation.py, test_sharding.py and test_zero2.py
 def test_simclr_under_fp16_scales_the_loss_and_skips_a_planted_overflow():
     precision.set_policy("mixed_float16")
     model = _simclr(tf.distribute.get_strategy())
