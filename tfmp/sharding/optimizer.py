@@ -76,8 +76,8 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             where every replica is a GPU, an all-reduce elsewhere), "all_reduce" or "reduce_scatter".
         global_clipnorm: clip the summed gradient to this global norm (`tfmp.clipping`: the norm summed across every
             replica's chunks); None takes the inner optimizer's own `global_clipnorm`.
-        stage: "zero1" or "zero2" (see the module docstring). Checkpoints are the same for both: a run resumes
-            under the other.
+        stage: "zero1" or "zero2" (see the module docstring). Their checkpoints hold the same state: one restores
+            into the other.
     """
 
     def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str | None = None,
