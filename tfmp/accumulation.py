@@ -41,7 +41,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmp import keras_internals, sharding
+from tfmp import averaging, keras_internals, sharding
 
 
 def check_steps(per_replica_batch: int, steps: int) -> None:
@@ -105,8 +105,8 @@ def gradient_owner(optimizer, steps: int, variables: list | None = None):
     replicas with more than one micro-batch — or None: whole gradients are summed. Given every trainable variable
     (`variables`), an unbuilt `optimizer` is built from them (a step that reduces some of them first needs the
     layout of all)."""
-    sharded = sharding.sharded_optimizer(optimizer)
-    if steps == 1 or sharded is None or sharded.stage != "zero2" or sharded.held.strategy.num_replicas_in_sync == 1:
+    sharded = averaging.innermost(optimizer)
+    if steps == 1 or not isinstance(sharded, sharding.ShardedOptimizer) or not sharded.shards_gradients:
         return None
     if variables is not None and not optimizer.built:
         optimizer.build(list(variables))

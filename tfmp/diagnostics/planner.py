@@ -149,8 +149,8 @@ def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_r
     accumulator = 2 * -(-own.gradients_bytes // own.gradient_shards)
     room = usable - state - (accumulator if accumulation_steps > 1 else 0)
     largest = int(room // per_example) * accumulation_steps if per_example and room > 0 else 0
-    zero1_state = own.params_bytes + own.gradients_bytes + -(-own.optimizer_bytes // replicas)
     saved_state = own.optimizer_bytes - -(-own.optimizer_bytes // replicas)  # what zero1 and zero2 leave out
+    zero1_state = state - saved_state
     # Other micro-batch counts from the run's estimate: its per-example activations scaled, the fixed part kept.
     fixed = own.fixed_activations_bytes
     per_micro_example = (own.activations_bytes - fixed) / micro_batch

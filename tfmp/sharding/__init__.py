@@ -18,7 +18,7 @@ what stands in the way.
 from tfmp.sharding.collectives import (GRADIENT_REDUCTIONS, AllReduceShares, NcclReduceScatter,
                                        choose_gradient_reduction)
 from tfmp.sharding.layout import Layout
-from tfmp.sharding.optimizer import ShardedOptimizer, ZeroOneOptimizer, sharded_optimizer
+from tfmp.sharding.optimizer import ShardedOptimizer, ZeroOneOptimizer
 
 __all__ = ["GRADIENT_REDUCTIONS", "AllReduceShares", "NcclReduceScatter", "Layout", "ShardedOptimizer",
-           "ZeroOneOptimizer", "choose_gradient_reduction", "sharded_optimizer"]
+           "ZeroOneOptimizer", "choose_gradient_reduction"]

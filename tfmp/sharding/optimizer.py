@@ -54,6 +54,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import keras_internals, logs, update_rules
+from tfmp.config import SHARDING_STAGES
 from tfmp.sharding import checkpoint_state
 from tfmp.sharding.collectives import choose_gradient_reduction
 from tfmp.sharding.layout import Layout
@@ -61,7 +62,7 @@ from tfmp.sharding.layout import Layout
 logger = logging.getLogger(__name__)
 
 
-STAGES = ("zero1", "zero2")
+STAGES = tuple(stage for stage in SHARDING_STAGES if stage != "none")
 
 
 @keras.saving.register_keras_serializable(package="tfmp")
@@ -138,6 +139,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             return
         super().build(variables)
         self.variables_in_order = list(variables)
+        self.held.index_of = {id(variable): index for index, variable in enumerate(self.variables_in_order)}
         strategy = self.held.strategy  # the one it was made under: a callback may build it outside the scope
         self.replicas = strategy.num_replicas_in_sync
         self.held.layout = Layout(tuple(int(np.prod(variable.shape)) for variable in variables), self.replicas)
@@ -207,6 +209,11 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
 
     # ------------------------------------------------------------------------------ zero2: gradients held as chunks
 
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether accumulated gradients are held as this replica's chunks: zero2 on several replicas."""
+        return self.stage == "zero2" and self.held.strategy.num_replicas_in_sync > 1
+
     def owned_gradients(self, grads, variables) -> list:
         """This replica's chunks of `grads` summed over the replicas (call in replica context, on several replicas).
 
@@ -218,8 +225,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(list(variables))
         context = tf.distribute.get_replica_context()
-        index_of = {id(variable): index for index, variable in enumerate(self.variables_in_order)}
-        positions = [index_of[id(variable)] for variable in variables]
+        positions = [self.held.index_of[id(variable)] for variable in variables]
         by_index = [None] * len(self.variables_in_order)
         for index, gradient in zip(positions, grads):
             by_index[index] = gradient
@@ -234,8 +240,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
 
     def owned_zeros(self, variable) -> tf.Tensor:
         """Zeros the shape of `variable`'s chunk (what `owned_gradients` gives it), for a running sum."""
-        index = [id(known) for known in self.variables_in_order].index(id(variable))
-        return tf.zeros([self.layout.chunks[index]])
+        return tf.zeros([self.layout.chunks[self.held.index_of[id(variable)]]])
 
     @contextlib.contextmanager
     def receiving_owned(self):
@@ -404,15 +409,10 @@ class _Untracked:
         self.gathers: dict = {}  # traced functions by the slots they gather, kept out of checkpoint tracking too
         self.bucket_gathers = None
         self.receiving_owned = 0  # > 0 while a step applies gradients reduced already (`receiving_owned`)
+        self.index_of: dict = {}  # id of each trainable variable -> its position, from build
 
 
 def _write_all(strategy, variables, values):
     for variable, value in zip(variables, values):
         strategy.extended.update(variable.value, lambda target, new: target.assign(new), args=(value,), group=False)
 
-
-def sharded_optimizer(optimizer) -> ShardedOptimizer | None:
-    """The `ShardedOptimizer` `optimizer` is or wraps (inside a loss-scale optimizer), or None."""
-    while optimizer is not None and not isinstance(optimizer, ShardedOptimizer):
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return optimizer
