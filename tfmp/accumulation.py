@@ -304,7 +304,8 @@ def cached_gradients(embed, micro_inputs: tf.Tensor, steps: int, embedding_loss,
             micro_embedding = embed(micro_inputs[index])
             # The surrogate's gradient with respect to the encoder is the cached embedding gradient, back-propagated.
             surrogate = tf.reduce_sum(tf.cast(micro_embedding, tf.float32) * tf.cast(micro_gradient[index], tf.float32))
-        return tape.gradient(surrogate, encoder_variables)
+        with tf.control_dependencies([surrogate]):
+            return tape.gradient(surrogate, encoder_variables)
 
     encoder_gradients = sum_gradients(gradients_of, steps, encoder_variables, owner)
     if owner is not None:
