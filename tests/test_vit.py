@@ -33,12 +33,33 @@ def _layer_norm(x, gamma, beta):
     return (x - mean) / np.sqrt(variance + 1e-6) * gamma + beta
 
 
+def _cubic_matrix(source: int, target: int) -> np.ndarray:
+    """(target, source) weights of bicubic resizing as TensorFlow defines it: half-pixel centres, Keys' cubic kernel
+    with a = -0.5, taps outside the source dropped and the rest renormalised."""
+    matrix = np.zeros((target, source))
+    for row in range(target):
+        centre = (row + 0.5) * source / target - 0.5
+        for tap in range(math.floor(centre) - 1, math.floor(centre) + 3):
+            t = abs(centre - tap)
+            weight = 1.5 * t ** 3 - 2.5 * t ** 2 + 1 if t <= 1 else -0.5 * t ** 3 + 2.5 * t ** 2 - 4 * t + 2 if t < 2 else 0.0
+            if 0 <= tap < source:
+                matrix[row, tap] += weight
+        matrix[row] /= matrix[row].sum()
+    return matrix
+
+
+def _bicubic(grid: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """A (rows, columns, channels) grid resized to `shape`, separably (rows, then columns)."""
+    return np.einsum("ir,jc,rcw->ijw", _cubic_matrix(grid.shape[0], shape[0]), _cubic_matrix(grid.shape[1], shape[1]), grid)
+
+
 def _numpy_vit(images, weights, size):
     """The ViT forward pass written out: patches, projection + position embedding, pre-norm blocks, mean pooling."""
     batch, height, width, channels = images.shape
     p = size.patch
     patches = images.reshape(batch, height // p, p, width // p, p, channels).transpose(0, 1, 3, 2, 4, 5)
-    tokens = patches.reshape(batch, -1, p * p * channels) @ weights["patch_embedding/kernel"] + weights["patch_embedding/bias"]
+    position = _bicubic(weights["patch_embedding/position"], (height // p, width // p))  # the grid it was learned at: itself
+    tokens = patches.reshape(batch, -1, p * p * channels) @ weights["patch_embedding/kernel"] + position.reshape(-1, size.width)
     key_dim = size.width // size.heads
     for block in range(size.depth):
         def w(name):
@@ -68,6 +89,92 @@ def test_the_forward_pass_matches_attention_written_out_in_numpy(depth):
     images = np.random.default_rng(1).normal(size=(3, 4, 6, 3)).astype(np.float32)
     expected = _numpy_vit(images.astype(np.float64), {key: value.astype(np.float64) for key, value in weights.items()}, size)
     np.testing.assert_allclose(encoder(images, training=False).numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_position_embedding_resized_by_the_layer_is_an_independent_bicubic_resize():
+    from PIL import Image
+
+    embedding = vit.PatchEmbedding(2, 3, (3, 4))
+    embedding.build((None, None, None, 1))
+    grid = np.random.default_rng(0).normal(size=(3, 4, 3)).astype(np.float32)
+    embedding.position.assign(grid)
+    for shape in [(3, 4), (6, 8), (2, 2), (5, 7), (1, 9), (7, 3)]:  # itself, up, down, uneven, one row, mixed
+        resized = embedding.position_grid(*shape).numpy()
+        np.testing.assert_allclose(resized, _bicubic(grid.astype(np.float64), shape), rtol=1e-5, atol=1e-6, err_msg=str(shape))
+        if shape[0] >= 3 and shape[1] >= 4:  # enlarged: PIL's bicubic (it antialiases when shrinking), channel by channel
+            pil = np.stack([np.asarray(Image.fromarray(grid[..., channel], mode="F").resize(shape[::-1], Image.BICUBIC))
+                            for channel in range(3)], axis=-1)
+            np.testing.assert_allclose(resized, pil, rtol=1e-4, atol=1e-5, err_msg=str(shape))
+
+
+@pytest.mark.parametrize("side", [8, 16, 32])
+def test_an_encoder_built_at_16_pixels_computes_the_vit_at_8_and_32(side):
+    """One encoder, learned at a 4x4 grid of patches, on 8, 16 and 32 px images: patches of the image it is given, the
+    position embedding resized to their grid (written out in NumPy), the same blocks."""
+    size = vit.ViTSize(patch=4, width=8, depth=1, heads=2, mlp_width=16)
+    encoder = _randomized(vit.vision_transformer((16, 16, 3), size, "tiny"))
+    assert encoder.input_shape == (None, None, None, 3)
+    weights = {weight.path: weight.numpy().astype(np.float64) for weight in encoder.weights}
+    assert weights["patch_embedding/position"].shape == (4, 4, 8)
+    images = np.random.default_rng(1).normal(size=(2, side, side, 3)).astype(np.float32)
+    np.testing.assert_allclose(encoder(images, training=False).numpy(), _numpy_vit(images.astype(np.float64), weights, size),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_an_image_of_two_sizes_in_one_compiled_step_and_its_gradient_reaches_the_learned_grid():
+    """Global and local crops through one encoder in one XLA-compiled step (DINO's multi-crop): the position embedding's
+    gradient arrives at its learned (4, 4) grid from both."""
+    size = vit.ViTSize(patch=2, width=8, depth=1, heads=2, mlp_width=16)
+    encoder = vit.vision_transformer((8, 8, 1), size, "tiny")
+    position = next(weight for weight in encoder.trainable_weights if weight.path.endswith("position"))
+
+    @tf.function(jit_compile=True)
+    def step(large, small):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(encoder(large, training=True)) + tf.reduce_sum(encoder(small, training=True))
+        return tape.gradient(loss, position)
+
+    rng = np.random.default_rng(0)
+    gradient = step(rng.normal(size=(2, 8, 8, 1)).astype(np.float32), rng.normal(size=(2, 4, 4, 1)).astype(np.float32))
+    assert gradient.shape == (4, 4, 8) and np.all(np.isfinite(gradient)) and np.any(gradient.numpy() != 0)
+
+
+def _encoder_saved_before_vits_took_any_resolution(size, side, channels):
+    """A ViT in the layout tfmp saved before this change, built here from Keras' layers: patches by Reshape / Permute /
+    Reshape and one EinsumDense whose (token, channel) bias is the position embedding."""
+    rows = side // size.patch
+    inputs = keras.Input((side, side, channels), name="images")
+    x = keras.layers.Reshape((rows, size.patch, rows, size.patch, channels), name="patch_grid")(inputs)
+    x = keras.layers.Permute((1, 3, 2, 4, 5), name="patch_order")(x)
+    x = keras.layers.Reshape((rows * rows, size.patch ** 2 * channels), name="patches")(x)
+    x = keras.layers.EinsumDense("btp,pc->btc", output_shape=(rows * rows, size.width), bias_axes="tc",
+                                 name="patch_embedding")(x)
+    for block in range(size.depth):
+        x = vit.encoder_block(x, f"block{block}", heads=size.heads, mlp_width=size.mlp_width)
+    x = keras.layers.LayerNormalization(epsilon=1e-6, name="final_norm")(x)
+    return keras.Model(inputs, keras.layers.GlobalAveragePooling1D(name="pool")(x), name="vit_old")
+
+
+def test_an_encoder_saved_before_vits_took_any_resolution_is_adopted_and_takes_other_sizes(tmp_path):
+    from tfmp.models import export
+
+    size = vit.ViTSize(patch=2, width=8, depth=2, heads=2, mlp_width=16)
+    old = _randomized(_encoder_saved_before_vits_took_any_resolution(size, 8, 1))
+    old.save(tmp_path / "old.keras")
+    loaded = keras.saving.load_model(tmp_path / "old.keras")  # plain Keras, safe mode
+    assert export.takes_images_of(loaded, (16, 16, 1)) and not export.takes_images_of(loaded, (15, 15, 1))
+    adopted = export.adopt(loaded)
+    assert adopted.input_shape == (None, None, None, 1)
+    assert [type(layer) for layer in adopted.layers[:2]] == [keras.layers.InputLayer, vit.PatchEmbedding]
+    images = np.random.default_rng(1).normal(size=(3, 8, 8, 1)).astype(np.float32)
+    np.testing.assert_allclose(adopted(images).numpy(), old(images).numpy(), rtol=1e-5, atol=1e-6)
+    assert adopted(np.zeros((1, 12, 16, 1), np.float32)).shape == (1, 8)
+    # And back: the exported layout is the old one, with the same weights.
+    exported = export.portable(adopted)
+    assert [layer.name for layer in exported.layers[:5]] == [layer.name for layer in old.layers[:5]]
+    assert export.uses_only_keras_layers(exported) and exported.input_shape == (None, 8, 8, 1)
+    for mine, theirs in zip(exported.weights, old.weights):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
 
 
 def _parameter_count(size: vit.ViTSize, image_side: int, channels: int = 3) -> int:
@@ -303,7 +410,7 @@ def test_the_cifar10_vit_preset_is_a_valid_config():
 @pytest.mark.slow  # ~40 s
 def test_a_vit_pretrained_by_the_cli_serves_linear_eval_and_finetune(tmp_path):
     from tfmp import training
-    from tfmp.config import Config
+    from tfmp.config import Config, UsageError
 
     common = dict(dataset="digits", model="vit_micro_p2", precision="float32", strategy="off", global_batch_size=128,
                   label_fraction=0.05, probe_epochs=5, flip=False)
@@ -316,6 +423,12 @@ def test_a_vit_pretrained_by_the_cli_serves_linear_eval_and_finetune(tmp_path):
     finetuned = training.run(Config(task="finetune", encoder=encoder, epochs=20, learning_rate=1e-3, **common),
                              str(tmp_path / "finetune"))
     assert finetuned["eval_accuracy"] > 0.2
+    # At another resolution than it learned (digits at 16 px: 64 tokens instead of 16), adopted back to any resolution.
+    larger = training.run(Config(task="linear_eval", encoder=encoder, image_size=16, **common), str(tmp_path / "eval16"))
+    assert larger["linear_probe_accuracy"] > 0.2
+    with pytest.raises(UsageError, match=r"takes images with sides a multiple of 2 and 1 channel, digits gives \(9, 9, 1\)"):
+        training.run(Config(task="linear_eval", encoder=encoder, image_size=9, **common), str(tmp_path / "eval9"))
+    assert not os.path.exists(tmp_path / "eval9" / "metrics.json")
 
 
 @pytest.mark.slow  # ~13 s: fp16 is TensorFlow's slow path on a CPU

@@ -40,9 +40,12 @@ def forward_flops_per_example(model, input_shape) -> int:
 
     from tfmp.diagnostics.layer_outputs import captured_outputs, display_names, leaf_layers
 
+    from tfmp.models.vit import PatchEmbedding
+
     layers = leaf_layers(model)
-    kinds = {name: layer for layer, name in display_names(layers).items()
-             if isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense, keras.layers.EinsumDense))}
+    names = display_names(layers)
+    kinds = {name: layer for layer, name in names.items()
+             if isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense, keras.layers.EinsumDense, PatchEmbedding))}
     with captured_outputs(model) as captured:
         model(np.zeros((1, *input_shape), np.float32), training=False)
     macs = 0
@@ -50,32 +53,32 @@ def forward_flops_per_example(model, input_shape) -> int:
         layer = kinds.get(name)
         if layer is None:
             continue
-        kernel = layer.kernel.shape  # Conv2D: (kh, kw, c_in, c_out); Dense: (in, out)
+        kernel = layer.kernel.shape  # Conv2D: (kh, kw, c_in, c_out); Dense, PatchEmbedding: (in, out)
         if isinstance(layer, keras.layers.EinsumDense):  # the kernel's axes that the output does not have are summed
             kernel_axes, output_axes = layer.equation.split(",")[1].split("->")
             summed = [size for axis, size in zip(kernel_axes, kernel) if axis not in output_axes]
             macs += int(np.prod(summed)) * int(np.prod(output.shape[1:]))
         else:
             macs += int(np.prod(kernel[:-1])) * int(np.prod(output.shape[1:]))
-    for attention, (queries, keys) in attention_lengths(model).items():
+    for attention, (queries, keys) in attention_lengths(model, dict((names[layer], layer) for layer in layers), captured).items():
         # logits: queries x keys per head over key_dim; output: queries x value_dim per head over the keys
         value_dim = attention.value_dim or attention.key_dim
         macs += attention.num_heads * queries * keys * (attention.key_dim + value_dim)
     return 2 * macs
 
 
-def attention_lengths(model) -> dict:
-    """Every `MultiHeadAttention` layer in `model` (nested models too) -> (query length, key length), from the
-    shapes it was called with."""
+def attention_lengths(model, layers_by_name: dict, captured: list) -> dict:
+    """Every `MultiHeadAttention` layer in `model` (nested models too) -> (query length, key length): the lengths of
+    its query and key projections' outputs in the `captured` call (a ViT's token count follows the image)."""
     import keras
 
     from tfmp import keras_internals
 
     lengths = {}
+    output_of = {layers_by_name[name]: output for name, output in captured}
     for layer in keras_internals.nested_layers(model):
         if isinstance(layer, keras.layers.MultiHeadAttention):
-            query, value = keras.tree.flatten(layer.input)[:2]
-            lengths[layer] = (int(query.shape[1]), int(value.shape[1]))
+            lengths[layer] = (int(output_of[layer.query_dense].shape[1]), int(output_of[layer.key_dense].shape[1]))
     return lengths
 
 

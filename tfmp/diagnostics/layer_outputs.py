@@ -25,26 +25,35 @@ def display_names(layers: list[keras.layers.Layer]) -> dict[keras.layers.Layer, 
 
 
 @contextlib.contextmanager
-def captured_outputs(model: keras.Model):
-    """Within the block, every floating-point output of a leaf layer is appended to the
-    yielded list as `(name, tensor)` (`display_names`). Each layer's `call` is wrapped for the
-    duration and restored afterwards, so nested models are seen layer by layer."""
-    captured: list[tuple[str, tf.Tensor]] = []
-    originals = {}
-    layers = leaf_layers(model)
-    names = display_names(layers)
+def observed_calls(layers: list, observe):
+    """Within the block, `observe(layer, args, output)` runs after each call of one of `layers`: each layer's `call` is
+    wrapped for the duration and restored afterwards."""
+    originals = {layer: layer.call for layer in layers}
     for layer in layers:
-        originals[layer] = layer.call
-
-        def recording_call(*args, _call=layer.call, _name=names[layer], **kwargs):
+        def observed_call(*args, _layer=layer, _call=layer.call, **kwargs):
             output = _call(*args, **kwargs)
-            if isinstance(output, tf.Tensor) and output.dtype.is_floating:
-                captured.append((_name, output))
+            observe(_layer, args, output)
             return output
 
-        layer.call = recording_call
+        layer.call = observed_call
     try:
-        yield captured
+        yield
     finally:
         for layer, call in originals.items():
             layer.call = call
+
+
+@contextlib.contextmanager
+def captured_outputs(model: keras.Model):
+    """Within the block, every floating-point output of a leaf layer is appended to the
+    yielded list as `(name, tensor)` (`display_names`), so nested models are seen layer by layer."""
+    captured: list[tuple[str, tf.Tensor]] = []
+    layers = leaf_layers(model)
+    names = display_names(layers)
+
+    def capture(layer, args, output):
+        if isinstance(output, tf.Tensor) and output.dtype.is_floating:
+            captured.append((names[layer], output))
+
+    with observed_calls(layers, capture):
+        yield captured

@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import precision
+from tfmp.diagnostics import layer_outputs
 from tfmp.models.remat import CheckpointedBlock
 
 OPTIMIZER_SLOTS = {"adamw": 2, "sgd": 1, "lars": 1}
@@ -133,10 +134,17 @@ def _outermost_checkpointed(layer: keras.layers.Layer) -> list[CheckpointedBlock
 def _kept_and_working(model: keras.Model, input_shape: tuple[int, ...], batch: int) -> tuple[int, int]:
     """(bytes the step keeps for the backward pass, the most the backward pass adds to them at any moment): the
     gradient flowing into and out of the largest kept tensor, or a checkpointed block recomputed with its own."""
-    kept = saved_for_backward(model, input_shape, batch)
+    blocks = _outermost_checkpointed(model)
+    block_input_shapes = {}  # a ViT block's token count follows the image: read in the traced step
+
+    def record(block, args, output):
+        block_input_shapes[block] = tuple(args[0].shape[1:])
+
+    with layer_outputs.observed_calls(blocks, record):
+        kept = saved_for_backward(model, input_shape, batch)
     working = [2 * max(kept.values(), default=0)]
-    for block in _outermost_checkpointed(model):
-        block_kept, block_working = _kept_and_working(block.block, tuple(block.block.inputs[0].shape[1:]), batch)
+    for block in blocks:
+        block_kept, block_working = _kept_and_working(block.block, block_input_shapes[block], batch)
         working.append(block_kept + block_working)
     return sum(kept.values()), max(working)
 

@@ -1,12 +1,14 @@
 """Models anyone can load: tfmp's layers swapped for Keras' own, weights and statistics carried over.
 
-tfmp trains with three layers of its own (`tfmp>BatchNormalization`, the fused kernel;
-`tfmp>Conv2D`, a tap-matmul weight gradient where measured faster; `tfmp>CheckpointedBlock`, activation
-checkpointing). A `.keras` file holding them loads only where tfmp is imported.
+tfmp trains with four layers of its own (`tfmp>BatchNormalization`, the fused kernel;
+`tfmp>Conv2D`, a tap-matmul weight gradient where measured faster; `tfmp>CheckpointedBlock`,
+activation checkpointing; `tfmp>PatchEmbedding`, a ViT's patches and position embedding at any
+resolution). A `.keras` file holding them loads only where tfmp is imported.
 `portable(model)` returns the same network built from Keras layers only — Keras'
 `BatchNormalization` with the same settings, gamma, beta and moving statistics; Keras' `Conv2D`
 with the same config and kernel; each checkpointed block inlined as the plain sub-model it
-wraps — so `keras.saving.load_model` loads it in safe mode without tfmp and computes what the
+wraps; a ViT's patch embedding as Keras' Reshape / Permute / Reshape / EinsumDense at the resolution its position
+embedding was learned at — so `keras.saving.load_model` loads it in safe mode without tfmp and computes what the
 trained model computes (tfmp's BatchNorm differs from Keras' only in round-off:
 tests/test_export.py).
 
@@ -19,19 +21,23 @@ from __future__ import annotations
 
 import keras
 
+from tfmp.models import vit
 from tfmp.models.conv import Conv2D
 from tfmp.models.layers import BatchNormalization
 from tfmp.models.remat import CheckpointedBlock
 
 
-def _clone(model: keras.Model, replace) -> keras.Model:
-    clone = keras.models.clone_model(model, clone_function=replace)
-    clone.set_weights(model.get_weights())
+def _clone(model: keras.Model, replace, call=None, input_tensors=None) -> keras.Model:
+    clone = keras.models.clone_model(model, clone_function=replace, call_function=call, input_tensors=input_tensors)
+    # A ViT's position embedding changes shape, (rows, columns, width) <-> (tokens, width): the same values.
+    for weight, value in zip(clone.weights, model.get_weights()):
+        weight.assign(value.reshape(weight.shape))
     return clone
 
 
 def portable(model: keras.Model) -> keras.Model:
-    """`model` (functional) rebuilt from Keras' own layers, with the same weights and statistics."""
+    """`model` (functional) rebuilt from Keras' own layers, with the same weights and statistics. A ViT is exported
+    at the resolution its position embedding was learned at (`tfmp.models.vit.keras_patch_layers`)."""
 
     def replace(layer):
         if isinstance(layer, BatchNormalization):
@@ -48,12 +54,24 @@ def portable(model: keras.Model) -> keras.Model:
             return portable(layer)
         return layer.__class__.from_config(layer.get_config())
 
-    return _clone(model, replace)
+    def call(layer, *args, **kwargs):
+        if isinstance(layer, vit.PatchEmbedding):
+            return vit.keras_patch_layers(args[0], layer)
+        return layer(*args, **kwargs)
+
+    embeddings = [layer for layer in model.layers if isinstance(layer, vit.PatchEmbedding)]
+    input_tensors = None
+    if embeddings:
+        (rows, columns), patch = embeddings[0].grid, embeddings[0].patch
+        input_tensors = keras.Input((rows * patch, columns * patch, model.input_shape[-1]), name=model.inputs[0].name)
+    return _clone(model, replace, call, input_tensors)
 
 
 def adopt(model: keras.Model, conv_weight_gradient: str = "auto") -> keras.Model:
     """The inverse of `portable`: Keras' BatchNormalization and Conv2D layers become tfmp's (same
-    settings, weights and statistics; convolutions in mode `conv_weight_gradient`), for training under tfmp."""
+    settings, weights and statistics; convolutions in mode `conv_weight_gradient`), for training under tfmp; a
+    ViT's patch layers become `PatchEmbedding` again, taking images of any size."""
+    embedding = vit.patch_embedding_of(model)
 
     def replace(layer):
         if type(layer) is keras.layers.BatchNormalization:
@@ -64,7 +82,29 @@ def adopt(model: keras.Model, conv_weight_gradient: str = "auto") -> keras.Model
             return adopt(layer, conv_weight_gradient)
         return layer.__class__.from_config(layer.get_config())
 
-    return _clone(model, replace)
+    def call(layer, *args, **kwargs):
+        if embedding is not None and layer.name == "patch_grid":
+            return embedding(args[0])
+        if embedding is not None and layer.name in vit.KERAS_PATCH_LAYERS:
+            return args[0]  # computed by the embedding above
+        return layer(*args, **kwargs)
+
+    input_tensors = None
+    if embedding is not None:
+        input_tensors = keras.Input((None, None, model.input_shape[-1]), name=model.inputs[0].name)
+    return _clone(model, replace, call, input_tensors)
+
+
+def takes_images_of(model: keras.Model, image_shape) -> bool:
+    """Whether `model` (as saved, or after `adopt`) takes images of `image_shape`: its input's shape, or any size
+    whose sides are multiples of the patch for a ViT."""
+    embedding = vit.patch_embedding_of(model) or next(
+        (layer for layer in model.layers if isinstance(layer, vit.PatchEmbedding)), None)
+    expected = tuple(model.input_shape[1:])
+    if embedding is None:
+        return expected == tuple(image_shape)
+    return (expected[-1] == image_shape[-1] and image_shape[0] % embedding.patch == 0
+            and image_shape[1] % embedding.patch == 0)
 
 
 def uses_only_keras_layers(model: keras.Model) -> bool:

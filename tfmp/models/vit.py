@@ -5,12 +5,13 @@ transformer blocks (LayerNorm -> multi-head self-attention -> residual; LayerNor
 features are the mean of the final tokens after a last LayerNorm: global average pooling, as big_vision's plain ViT
 baseline, instead of a CLS token (no extra token and no custom layer to carry it).
 
-Only Keras' built-in layers are used, so a saved encoder loads without tfmp:
+Keras' built-in layers but one:
 
-* patches: `Reshape` / `Permute` / `Reshape`, the same arithmetic as a stride-`patch` convolution;
-* patch projection + position embedding: one `EinsumDense` whose bias spans (token, channel) — that bias is the
-  learned position embedding (plus the projection's bias). It follows `--image_size`: the token count is fixed when
-  the encoder is built;
+* patches, their projection and the position embedding: `PatchEmbedding`, tfmp's one layer here. The position
+  embedding is its own (rows, columns, width) weight, learned at the grid of `--image_size`; an image of another size
+  gets it resized bicubically to its token grid (in float32, inside the step, as DINO does), so one encoder takes
+  global and local crops of different sizes and a fine-tune at another resolution. The encoder's input is
+  (None, None, channels); the sides must be multiples of the patch;
 * attention: `MultiHeadAttention` (in Keras 3.15 on TensorFlow it runs `ops.dot_product_attention`);
 * stochastic depth: `Dropout` with `noise_shape=(None, 1, 1)`, which drops a sample's whole residual branch and
   scales the rest by 1 / (1 - rate) — DeiT's drop path — at rates rising linearly to `drop_path_rate` over the blocks.
@@ -18,6 +19,12 @@ Only Keras' built-in layers are used, so a saved encoder loads without tfmp:
 Mixed precision (measured on Keras 3.15, tests/test_vit.py): the Dense, EinsumDense and attention matmuls run in the
 policy's compute dtype; LayerNormalization computes its statistics and normalisation in float32 and returns the
 compute dtype; attention casts its logits to float32 after the query-key product and takes the softmax in float32.
+
+`tfmp.models.export.portable` turns `PatchEmbedding` into the Keras-only layout tfmp's ViTs had before they took any
+resolution — `Reshape` / `Permute` / `Reshape` (the arithmetic of a stride-`patch` convolution) and one `EinsumDense`
+whose bias spans (token, channel), the position embedding plus the projection's bias — at the resolution the
+embedding was learned at, so an exported `encoder.keras` loads without tfmp; `adopt` turns that layout (today's
+exports and those written before) back into `PatchEmbedding`, taking any resolution again.
 
 With `remat="blocks"` (or `"full"`: a ViT has no stages, so it is the same) each transformer block is one
 checkpointed segment (`tfmp.models.remat`): the forward pass keeps one (tokens, width) tensor per block.
@@ -28,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 import keras
+import tensorflow as tf
 
 from tfmp.models.layers import NormSettings
 from tfmp.models.remat import checkpointed
@@ -55,18 +63,107 @@ SIZES = {
 }
 
 
-def patch_tokens(images, patch: int, width: int):
-    """Images (batch, height, width, channels) -> tokens (batch, patches, width) with the position embedding added."""
-    height, image_width, channels = images.shape[1:]
-    rows, columns = height // patch, image_width // patch
-    x = keras.layers.Reshape((rows, patch, columns, patch, channels), name="patch_grid")(images)
-    x = keras.layers.Permute((1, 3, 2, 4, 5), name="patch_order")(x)
-    x = keras.layers.Reshape((rows * columns, patch * patch * channels), name="patches")(x)
-    # The bias over (token, channel) is the learned position embedding.
-    return keras.layers.EinsumDense("btp,pc->btc", output_shape=(rows * columns, width), bias_axes="tc",
-                                    kernel_initializer=keras.initializers.LecunNormal(),
-                                    bias_initializer=keras.initializers.TruncatedNormal(stddev=0.02),
-                                    name="patch_embedding")(x)
+def cubic_resize_matrix(source, target) -> tf.Tensor:
+    """The (target, source) float32 matrix of bicubic resizing along one axis: half-pixel centres, Keys' cubic kernel
+    with a = -0.5, taps outside the source dropped and the rest renormalised, no antialiasing — PIL's and
+    jax.image.resize's cubic when enlarging (PyTorch's, which DINO uses, has a = -0.75). Not `tf.image.resize`: its
+    bicubic reads the kernel from a 1024-entry table (off by up to 2e-3 here) and XLA has no kernel for it; two small
+    matmuls compile anywhere, for sizes known or not when traced, and differentiate."""
+    source, target = tf.cast(source, tf.float32), tf.cast(target, tf.float32)
+    centres = (tf.range(target) + 0.5) * source / target - 0.5
+    taps = tf.floor(centres)[:, None] + tf.constant([-1.0, 0.0, 1.0, 2.0])
+    distance = tf.abs(centres[:, None] - taps)
+    weights = tf.where(distance <= 1, (1.5 * distance - 2.5) * distance ** 2 + 1,
+                       tf.where(distance < 2, ((-0.5 * distance + 2.5) * distance - 4) * distance + 2, 0.0))
+    weights = tf.where((taps >= 0) & (taps < source), weights, 0.0)
+    weights /= tf.reduce_sum(weights, axis=1, keepdims=True)
+    # tf.one_hot of a tap outside [0, source) is all zeros: those taps carry no weight anyway.
+    return tf.einsum("tk,tks->ts", weights, tf.one_hot(tf.cast(taps, tf.int32), tf.cast(source, tf.int32)))
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class PatchEmbedding(keras.layers.Layer):
+    """Images (batch, height, width, channels) -> tokens (batch, patches, width), position embedding added.
+
+    Each `patch` x `patch` patch (rows first, as a stride-`patch` convolution reads them) is flattened and projected by
+    `kernel`; `position`, a (rows, columns, width) grid learned at `grid`, is added — resized to the image's grid when
+    it has another one, in float32 (`cubic_resize_matrix`). The projection has no bias of its own: a bias per (token,
+    channel) is the position embedding's.
+
+    Args:
+        patch: the patch side in pixels.
+        width: the token width.
+        grid: (rows, columns) of patches the position embedding is learned at.
+    """
+
+    def __init__(self, patch: int, width: int, grid: tuple[int, int], **kwargs):
+        super().__init__(**kwargs)
+        self.patch = int(patch)
+        self.width = int(width)
+        self.grid = (int(grid[0]), int(grid[1]))
+
+    def build(self, input_shape):
+        channels = input_shape[-1]
+        self.kernel = self.add_weight(shape=(self.patch * self.patch * channels, self.width), name="kernel",
+                                      initializer=keras.initializers.LecunNormal())
+        # Kept in float32 when read (autocast=False): it is resized in float32, then cast with the tokens.
+        self.position = self.add_weight(shape=(*self.grid, self.width), name="position", autocast=False,
+                                        initializer=keras.initializers.TruncatedNormal(stddev=0.02))
+
+    def call(self, images):
+        patch, channels = self.patch, images.shape[-1]
+        rows, columns = (side // patch if side is not None else tf.shape(images)[axis] // patch
+                         for axis, side in ((1, images.shape[1]), (2, images.shape[2])))
+        patches = tf.reshape(images, [-1, rows, patch, columns, patch, channels])
+        patches = tf.transpose(patches, [0, 1, 3, 2, 4, 5])
+        patches = tf.reshape(patches, [-1, rows * columns, patch * patch * channels])
+        tokens = tf.matmul(patches, self.kernel)
+        position = tf.reshape(self.position_grid(rows, columns), [rows * columns, self.width])
+        return tokens + tf.cast(position, tokens.dtype)
+
+    def position_grid(self, rows, columns) -> tf.Tensor:
+        """The float32 position embedding on a (rows, columns) grid of patches."""
+        if isinstance(rows, int) and isinstance(columns, int) and (rows, columns) == self.grid:
+            return tf.convert_to_tensor(self.position)
+        return tf.einsum("ir,jc,rcw->ijw", cubic_resize_matrix(self.grid[0], rows), cubic_resize_matrix(self.grid[1], columns),
+                         self.position)
+
+    def compute_output_shape(self, input_shape):
+        sides = input_shape[1:3]
+        tokens = None if None in sides else (sides[0] // self.patch) * (sides[1] // self.patch)
+        return (input_shape[0], tokens, self.width)
+
+    def get_config(self):
+        return {**super().get_config(), "patch": self.patch, "width": self.width, "grid": self.grid}
+
+
+def keras_patch_layers(images, embedding: PatchEmbedding):
+    """`embedding`'s computation at the resolution its position embedding was learned at, from Keras' own layers: the
+    layout `tfmp.models.export.portable` writes (the weights: the same kernel; the position embedding as the
+    `EinsumDense`'s (token, channel) bias)."""
+    (rows, columns), patch, channels = embedding.grid, embedding.patch, images.shape[-1]
+    policy = embedding.dtype_policy
+    x = keras.layers.Reshape((rows, patch, columns, patch, channels), name="patch_grid", dtype=policy)(images)
+    x = keras.layers.Permute((1, 3, 2, 4, 5), name="patch_order", dtype=policy)(x)
+    x = keras.layers.Reshape((rows * columns, patch * patch * channels), name="patches", dtype=policy)(x)
+    return keras.layers.EinsumDense("btp,pc->btc", output_shape=(rows * columns, embedding.width), bias_axes="tc",
+                                    name="patch_embedding", dtype=policy)(x)
+
+
+KERAS_PATCH_LAYERS = ("patch_grid", "patch_order", "patches", "patch_embedding")
+
+
+def patch_embedding_of(model: keras.Model) -> PatchEmbedding | None:
+    """The `PatchEmbedding` a model in the Keras-only layout (`keras_patch_layers`, written by tfmp's exports, those
+    before ViTs took any resolution included) computes, unbuilt; None for any other model."""
+    layers = {layer.name: layer for layer in model.layers}
+    grid, embedding = layers.get("patch_grid"), layers.get("patch_embedding")
+    if not (isinstance(grid, keras.layers.Reshape) and isinstance(embedding, keras.layers.EinsumDense)
+            and all(name in layers for name in KERAS_PATCH_LAYERS) and embedding.get_config()["bias_axes"] == "tc"):
+        return None
+    rows, patch, columns = grid.target_shape[:3]
+    return PatchEmbedding(patch, embedding.kernel.shape[-1], (rows, columns), name="patch_embedding",
+                          dtype=embedding.dtype_policy)
 
 
 def encoder_block(x, name: str, *, heads: int, mlp_width: int, drop_path: float = 0.0):
@@ -89,15 +186,17 @@ def encoder_block(x, name: str, *, heads: int, mlp_width: int, drop_path: float 
 
 def vision_transformer(input_shape: tuple[int, int, int], size: ViTSize, name: str, *, remat: str = "none",
                        drop_path_rate: float = 0.0) -> keras.Model:
-    """A ViT encoder mapping images to `size.width` features (mean of the final tokens).
+    """A ViT encoder mapping images to `size.width` features (mean of the final tokens), its position embedding
+    learned at `input_shape`'s grid of patches and taking images of any size whose sides are multiples of the patch.
 
     Raises:
         ValueError: the image sides are not multiples of the patch side.
     """
     if input_shape[0] % size.patch or input_shape[1] % size.patch:
         raise ValueError(f"{name}: image sides {input_shape[:2]} are not multiples of the patch side {size.patch}")
-    inputs = keras.Input(input_shape, name="images")
-    x = patch_tokens(inputs, size.patch, size.width)
+    inputs = keras.Input((None, None, input_shape[2]), name="images")
+    grid = (input_shape[0] // size.patch, input_shape[1] // size.patch)
+    x = PatchEmbedding(size.patch, size.width, grid, name="patch_embedding")(inputs)
     for block in range(size.depth):
         rate = drop_path_rate * block / max(size.depth - 1, 1)
         x = checkpointed(encoder_block, x, name=f"block{block}", remat=remat, heads=size.heads, mlp_width=size.mlp_width,

@@ -14,7 +14,7 @@ import numpy as np
 from tfmp import compilation, tasks
 from tfmp import data as tfmp_data
 from tfmp.config import Config, UsageError
-from tfmp.models import export
+from tfmp.models import export, vit
 from tfmp.report import Phase, Phases
 from tfmp.run_directory import RunDirectory
 from tfmp.runtime import Runtime
@@ -84,10 +84,13 @@ def load_encoder(path: str) -> keras.Model:
 def check_encoder_inputs(config: Config, data: tfmp_data.ImageData) -> None:
     """`--encoder=PATH` loads (safe mode) and takes the data's images, checked before anything is written."""
     encoder = load_encoder(config.encoder)
-    expected = tuple(encoder.input_shape[1:])
-    if expected != tuple(data.image_shape):
-        raise UsageError(f"encoder {config.encoder} takes images of shape {expected}, {data.name} gives "
-                         f"{tuple(data.image_shape)}; set --image_size to match")
+    if not export.takes_images_of(encoder, data.image_shape):
+        embedding = vit.patch_embedding_of(encoder)
+        channels = encoder.input_shape[-1]
+        takes = (f"images with sides a multiple of {embedding.patch} and {channels} channel{'s' if channels > 1 else ''}"
+                 if embedding is not None else f"images of shape {tuple(encoder.input_shape[1:])}")
+        raise UsageError(f"encoder {config.encoder} takes {takes}, {data.name} gives {tuple(data.image_shape)}; "
+                         f"set --image_size to match")
     check_label_draws(config, data)
     if config.task == "finetune":
         labeled = labeled_indices(config, data)
@@ -111,6 +114,8 @@ def linear_eval(config: Config, data: tfmp_data.ImageData, runtime: Runtime, dir
     """`--task=linear_eval --encoder=PATH`: linear probe and kNN of a saved encoder."""
     (progress or Phases(phases(config))).start(0)
     encoder = load_encoder(config.encoder)  # checked by check_encoder_inputs before the run started
+    if tuple(encoder.input_shape[1:]) != tuple(data.image_shape):  # a ViT at another resolution than it learned
+        encoder = export.adopt(encoder, conv_weight_gradient=runtime.conv_weight_gradient)
     return {"encoder": config.encoder, **evaluate_over_draws(config, data, encoder, runtime.jit_compile)}
 
 
