@@ -179,3 +179,25 @@ def test_the_setting_reaches_the_optimizer_the_run_builds():
     assert sharded.inner.global_clipnorm is None
     unclipped = optimizers.make_optimizer(validate(Config()), steps_per_epoch=10)
     assert not unclipped.global_clipnorm and not hasattr(unclipped, "clipped_after_reduction")
+
+
+def test_per_variable_clipping_acts_on_the_summed_gradient_like_keras_clipnorm_on_one_device():
+    """`--clipnorm` (DINO's clip_grad): each variable's gradient clipped by its own norm, after the replicas' sum — on 2
+    replicas the steps of Keras' `clipnorm` on one device; Keras' own on 2 replicas clips each half-batch gradient."""
+    from tfmp import optimizers
+    from tfmp.config import Config, UsageError, validate
+
+    images, labels = _data()
+    keras_own = lambda: keras.optimizers.SGD(0.5, clipnorm=CLIPNORM)  # noqa: E731
+    reference = _one_device_reference(keras_own, images, labels)
+    strategy = distribute.get_strategy("mirrored")
+    per_replica = _model(strategy, keras_own)
+    _train(per_replica, strategy, images, labels)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(_weights(per_replica), reference)) > 1e-3
+    summed = _model(strategy, lambda: clipping.clip_after_reduction(keras.optimizers.SGD(0.5), CLIPNORM, per_tensor=True))
+    _train(summed, strategy, images, labels)
+    _assert_close(_weights(summed), reference)
+    built = optimizers.make_optimizer(validate(Config(clipnorm=3.0)), steps_per_epoch=10)
+    assert built.clipped_after_reduction == 3.0 and not built.clipnorm
+    with pytest.raises(UsageError, match=r"^--clipnorm \(per variable\) cannot be combined with --sharding=zero1"):
+        validate(Config(clipnorm=3.0, sharding="zero1"))

@@ -165,3 +165,17 @@ def test_a_run_killed_with_sigkill_restores_its_moving_average_exactly():
     [killed] = _measure(overrides, [13], "--deterministic", "--signal=KILL")["stops"]  # after the epoch-end checkpoint (11)
     assert killed["resumed_from_step"] == 11 and killed["steps"] == 22 and killed["checkpoint_difference"][0] == 0.0, killed
     assert "ema_eval_accuracy" not in killed["metric_differences"], killed
+
+
+@pytest.mark.slow  # ~1 min: a DINO run (ViT, multi-crop) killed twice, each rerun to the end
+def test_a_dino_run_killed_with_sigkill_resumes_bit_for_bit():
+    """The teacher, its centre, the momentum and temperature schedules and the frozen last layer are all step state:
+    a kill -9 in the frozen first epoch and one after it end where the run that never stopped does."""
+    dino = {"task": "dino", "model": "vit_micro_p2", "epochs": 3, "global_batch_size": 256, "label_fraction": 0.05,
+            "label_draws": 1, "compare_supervised": False, "probe_epochs": 5, "knn_every_epochs": 1, "flip": False,
+            "checkpoint_every_steps": 2, "prototypes": 64, "projection_dim": 16, "local_crops": 2, "crop_min_scale": 0.4,
+            "freeze_last_layer_epochs": 1.0, "warmup_teacher_temperature": 0.02, "warmup_teacher_temperature_epochs": 2.0}
+    report = _measure(dino, [3, 11], "--deterministic", "--signal=KILL")  # 5 steps an epoch: the first, the third
+    for stop in report["stops"]:
+        assert stop["steps"] == report["steps"] and stop["checkpoint_difference"][0] == 0.0, stop
+        assert not {"linear_probe_accuracy", "knn_accuracy"} & set(stop["metric_differences"]), stop

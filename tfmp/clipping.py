@@ -1,5 +1,5 @@
-"""Gradient clipping by the global norm of the true gradient: after the cross-replica sum, unscaled, alike on every
-replica.
+"""Gradient clipping by the global norm of the true gradient (or each variable's by its own norm, `per_tensor`): after
+the cross-replica sum, unscaled, alike on every replica.
 
 Keras' `global_clipnorm` clips inside `Optimizer.apply`, which under tf.distribute runs on each replica before the
 replicas' gradients are summed (Keras 3.15, `base_optimizer.py`: `_clip_gradients` comes before
@@ -29,13 +29,16 @@ import tensorflow as tf
 from tfmp import keras_internals
 
 
-def clip_after_reduction(optimizer: keras.optimizers.Optimizer, global_clipnorm: float | None = None):
+def clip_after_reduction(optimizer: keras.optimizers.Optimizer, global_clipnorm: float | None = None, *,
+                         per_tensor: bool = False):
     """Makes `optimizer` clip by the global norm of the replicas' summed gradient; returns it.
 
     Args:
         optimizer: a Keras optimizer (AdamW, SGD, tfmp's LARS, ...), not yet wrapped for loss scaling.
         global_clipnorm: the threshold; None takes the optimizer's own `global_clipnorm` (Keras' name), which is
             then cleared so that Keras does not also clip each replica's gradient.
+        per_tensor: clip each variable's summed gradient to the threshold by its own norm instead (Keras' `clipnorm`;
+            DINO's `clip_grad`), still after the replicas' sum.
     """
     clipnorm = optimizer.global_clipnorm if global_clipnorm is None else global_clipnorm
     if not clipnorm or clipnorm <= 0:
@@ -44,5 +47,11 @@ def clip_after_reduction(optimizer: keras.optimizers.Optimizer, global_clipnorm:
         raise ValueError(f"{type(optimizer).__name__} also clips per tensor (clipnorm / clipvalue); use one clipping")
     optimizer.global_clipnorm = None
     optimizer.clipped_after_reduction = float(clipnorm)
-    keras_internals.transform_after_reduction(optimizer, lambda gradients: tf.clip_by_global_norm(gradients, clipnorm)[0])
+    if per_tensor:
+        def clip(gradients):
+            return [None if gradient is None else tf.clip_by_norm(gradient, clipnorm) for gradient in gradients]
+    else:
+        def clip(gradients):
+            return tf.clip_by_global_norm(gradients, clipnorm)[0]
+    keras_internals.transform_after_reduction(optimizer, clip)
     return optimizer

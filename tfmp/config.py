@@ -258,6 +258,9 @@ class Config:
     global_clipnorm: float = _field(0.0, "Clip the gradient to this global norm (Keras' name), of the true gradient: summed "
                                          "over the replicas and unscaled under fp16, alike on every replica (0: off).",
                                     at_least_zero)
+    clipnorm: float = _field(0.0, "Clip each variable's gradient to this norm (Keras' name; DINO's clip_grad), after the "
+                                  "replicas' sum and unscaled, as --global_clipnorm (0: off; not with it, nor with "
+                                  "--sharding).", at_least_zero)
     ema_momentum: float = _field(0.0, "Keep an exponential moving average of the weights with this momentum (Keras' name, "
                                       "e.g. 0.999; 0: off): evaluated and exported beside the trained weights.", momentum)
     gradient_accumulation_steps: int = _field(1, "Take each step's batch in this many micro-batches per replica (Keras' name; "
@@ -292,11 +295,26 @@ class Config:
     projection_dim: int = _field(128, "Output size of the projection head (and of the byol/mocov3 predictor).", positive_integer)
     projection_hidden_dim: int = _field(0, "Hidden size of the projection head and predictor (0: the encoder's feature size).",
                                         at_least_zero)
-    target_momentum: float = _field(0.99, "byol, mocov3: momentum of the EMA target at step 0 (rises to 1 on a cosine).", probability)
+    target_momentum: float = _field(0.99, "byol, mocov3, dino: momentum of the EMA target at step 0 (rises to 1 on a cosine).", probability)
     invariance_weight: float = _field(25.0, "vicreg: weight of the invariance (MSE) term.", at_least_zero)
     variance_weight: float = _field(25.0, "vicreg: weight of the variance (hinge on standard deviation) term.", at_least_zero)
     covariance_weight: float = _field(1.0, "vicreg: weight of the covariance term.", at_least_zero)
     redundancy_weight: float = _field(0.0051, "barlow_twins: weight of the off-diagonal cross-correlation terms.", at_least_zero)
+    local_crops: int = _field(6, "dino: local crops per image beside the 2 global ones (multi-crop; 0: the 2 global only).",
+                              at_least_zero)
+    local_crop_size: int = _field(0, "dino: side of the local crops in pixels (0: 96/224 of the image side, rounded to the "
+                                     "ViT's patch, at least one patch).", at_least_zero)
+    local_crop_min_scale: float = _field(0.05, "dino: smallest area fraction of a local crop (the largest is --crop_min_scale, "
+                                               "the global crops' smallest).", fraction)
+    prototypes: int = _field(4096, "dino: output size of the DINO head (K; 65536 in the paper).", positive_integer)
+    student_temperature: float = _field(0.1, "dino: softmax temperature of the student.", above_zero)
+    teacher_temperature: float = _field(0.04, "dino: softmax temperature of the teacher after its warmup.", above_zero)
+    warmup_teacher_temperature: float = _field(0.04, "dino: the teacher's temperature at step 0 (linear to "
+                                                     "--teacher_temperature).", above_zero)
+    warmup_teacher_temperature_epochs: float = _field(0.0, "dino: epochs of the teacher temperature's warmup.", at_least_zero)
+    center_momentum: float = _field(0.9, "dino: momentum of the centre subtracted from the teacher's outputs.", momentum)
+    freeze_last_layer_epochs: float = _field(1.0, "dino: epochs during which the head's last layer takes no gradient.",
+                                             at_least_zero)
     stop_on_plateau: bool = _field(False, "Stop pretraining when the kNN monitor plateaus (the small-data guard).")
     crop_min_scale: float = _field(0.08, "Smallest area fraction of the random resized crop.", fraction)
     flip: bool = _field(True, "Random horizontal flips (turn off for digits and text).")
@@ -445,6 +463,10 @@ def validate(config: Config) -> Config:
     if config.global_batch_size % config.gradient_accumulation_steps:
         raise UsageError(f"gradient_accumulation_steps {config.gradient_accumulation_steps} does not divide global_batch_size "
                          f"{config.global_batch_size}; use a divisor of the per-replica batch")
+    if config.clipnorm and (config.global_clipnorm or config.sharding != "none"):
+        other = "--global_clipnorm" if config.global_clipnorm else f"--sharding={config.sharding}"
+        raise UsageError(f"--clipnorm (per variable) cannot be combined with {other}; use one clipping, and --clipnorm "
+                         "only unsharded")
     if config.warmup_epochs > config.epochs:
         raise UsageError(f"warmup_epochs {config.warmup_epochs:g} exceeds epochs {config.epochs}: the learning rate would never "
                          f"reach --learning_rate; use at most {config.epochs}")

@@ -110,7 +110,7 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
 
     Args:
         config: optimizer, learning rate and its scaling, epochs, warmup, weight decay, loss scale,
-            `global_clipnorm` (`tfmp.clipping`: after the replicas' sum), `ema_momentum` (`tfmp.averaging`) and
+            `global_clipnorm` or `clipnorm` (`tfmp.clipping`: after the replicas' sum), `ema_momentum` (`tfmp.averaging`) and
             `sharding` (`zero1`, `zero2`: `tfmp.sharding.ShardedOptimizer` inside the loss scaling).
         steps_per_epoch: optimizer steps per epoch.
     """
@@ -131,6 +131,8 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
         optimizer = ShardedOptimizer(optimizer, global_clipnorm=config.global_clipnorm or None, stage=config.sharding)
     elif config.global_clipnorm:
         optimizer = clipping.clip_after_reduction(optimizer, config.global_clipnorm)
+    elif config.clipnorm:
+        optimizer = clipping.clip_after_reduction(optimizer, config.clipnorm, per_tensor=True)
     return precision.wrap_optimizer(
         optimizer,
         loss_scale=config.loss_scale,

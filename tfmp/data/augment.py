@@ -89,15 +89,15 @@ def _apply_where(mask, augmented, original):
     return tf.where(tf.reshape(mask, [-1, 1, 1, 1]), augmented, original)
 
 
-def _bilinear_weights(start: tf.Tensor, length: tf.Tensor, size: int) -> tf.Tensor:
-    """[batch, size, size] bilinear sampling weights: output pixel i of image b reads input pixels
+def _bilinear_weights(start: tf.Tensor, length: tf.Tensor, size: int, source_size: int | None = None) -> tf.Tensor:
+    """[batch, size, source_size] bilinear sampling weights: output pixel i of image b reads input pixels
     around `start[b] + i * length[b] / (size - 1)` (pixel units), as `tf.image.crop_and_resize` does.
 
     The tent function max(0, 1 - |position - k|) is exactly bilinear interpolation's weight of input
     pixel k, and is zero outside the image (crop_and_resize's extrapolation value 0)."""
     steps = tf.range(size, dtype=tf.float32) / max(size - 1, 1)
     positions = start[:, None] + length[:, None] * steps[None, :]  # [batch, size]
-    pixels = tf.range(size, dtype=tf.float32)
+    pixels = tf.range(size if source_size is None else source_size, dtype=tf.float32)
     return tf.nn.relu(1.0 - tf.abs(positions[:, :, None] - pixels[None, None, :]))
 
 
@@ -114,8 +114,8 @@ def crop_boxes(batch: tf.Tensor, seed: tf.Tensor, scale=(0.08, 1.0), ratio=(3 / 
     return tf.stack([top, left, top + box_height, left + box_width], axis=1)
 
 
-def resize_crops(images: tf.Tensor, boxes: tf.Tensor) -> tf.Tensor:
-    """Each image's box, resized (bilinear) back to the image's size.
+def resize_crops(images: tf.Tensor, boxes: tf.Tensor, size: int | None = None) -> tf.Tensor:
+    """Each image's box, resized (bilinear) to `size` x `size` pixels (default: back to the image's size).
 
     Same result as `tf.image.crop_and_resize(images, boxes, range(batch), (height, width))` to
     float32 round-off, computed as two batched matrix products with per-image interpolation
@@ -123,15 +123,17 @@ def resize_crops(images: tf.Tensor, boxes: tf.Tensor) -> tf.Tensor:
     `jit_compile=True` could not run it.
     """
     height, width = images.shape[1], images.shape[2]
+    out_height, out_width = (height, width) if size is None else (size, size)
     top, left, bottom, right = tf.unstack(boxes, axis=1)
-    rows = _bilinear_weights(top * (height - 1), (bottom - top) * (height - 1), height)  # [batch, out rows, in rows]
-    columns = _bilinear_weights(left * (width - 1), (right - left) * (width - 1), width)  # [batch, out cols, in cols]
+    rows = _bilinear_weights(top * (height - 1), (bottom - top) * (height - 1), out_height, height)  # [batch, out, in rows]
+    columns = _bilinear_weights(left * (width - 1), (right - left) * (width - 1), out_width, width)  # [batch, out, in cols]
     return tf.einsum("bih,bhwc,bjw->bijc", rows, images, columns)
 
 
-def random_resized_crop(images: tf.Tensor, seed: tf.Tensor, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tf.Tensor:
-    """Crops a random box (`crop_boxes`) per image, resized back to the image's size."""
-    return resize_crops(images, crop_boxes(tf.shape(images)[0], seed, scale, ratio))
+def random_resized_crop(images: tf.Tensor, seed: tf.Tensor, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
+                        size: int | None = None) -> tf.Tensor:
+    """Crops a random box (`crop_boxes`) per image, resized to `size` (default: back to the image's size)."""
+    return resize_crops(images, crop_boxes(tf.shape(images)[0], seed, scale, ratio), size)
 
 
 def random_flip(images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
@@ -193,21 +195,23 @@ def gaussian_blur(images: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
     return blur_along(blur_along(images, 1), 2)
 
 
-def simclr_augment(images: tf.Tensor, seed: tf.Tensor, config: AugmentConfig = AugmentConfig()) -> tf.Tensor:
+def simclr_augment(images: tf.Tensor, seed: tf.Tensor, config: AugmentConfig = AugmentConfig(),
+                   size: int | None = None) -> tf.Tensor:
     """One SimCLR view of a batch: crop, flip, colour jitter, grayscale, blur, noise.
 
     Args:
         images: [batch, height, width, 1 or 3] float32 in [0, 1].
         seed: [2] int32 stateless seed (see `step_seed`).
         config: strengths and probabilities.
+        size: the view's side in pixels (multi-crop's local crops); default the images' size.
 
     Returns:
-        Augmented images, same shape, float32 in [0, 1].
+        Augmented images, [batch, size, size, channels] (default the images' shape), float32 in [0, 1].
     """
     images = tf.cast(images, tf.float32)
     batch = tf.shape(images)[0]
     (crop_seed, flip_seed, jitter_seed, jitter_gate, gray_gate, blur_seed, blur_gate, noise_seed) = split_seed(seed, 8)
-    images = random_resized_crop(images, crop_seed, config.crop_scale, config.crop_ratio)
+    images = random_resized_crop(images, crop_seed, config.crop_scale, config.crop_ratio, size)
     if config.flip:
         images = random_flip(images, flip_seed)
     if config.color_jitter > 0 and config.color_jitter_probability > 0:

@@ -2,8 +2,9 @@
 
     two_view.py   `TwoViewModel`: views, per-replica seeded augmentations, online probe,
                   loss and replica scaling — what every method shares
-    momentum.py   `MomentumTwoViewModel`: the EMA target network of BYOL and MoCo v3
-    simclr.py, byol.py, vicreg.py (VICReg, Barlow Twins), mocov3.py   the methods
+    momentum.py   `MomentumTwoViewModel`: the EMA target network of BYOL, MoCo v3 and DINO
+    simclr.py, byol.py, vicreg.py (VICReg, Barlow Twins), mocov3.py   the two-view methods
+    dino.py       DINO: multi-crop self-distillation (its own step: 2 global + N local crops)
     losses.py     their losses, float32, over the global batch
     probes.py     linear probe, kNN, the kNN monitor
     guard.py      the small-data guard
@@ -14,6 +15,7 @@ reads) and one registry line.
 """
 
 from tfmp.ssl.byol import BYOL
+from tfmp.ssl.dino import DINO
 from tfmp.ssl.losses import barlow_twins_loss, byol_loss, info_nce, nt_xent, vicreg_loss
 from tfmp.ssl.mocov3 import MoCoV3
 from tfmp.ssl.momentum import MomentumTwoViewModel
@@ -21,5 +23,5 @@ from tfmp.ssl.simclr import SimCLR
 from tfmp.ssl.two_view import TwoViewModel
 from tfmp.ssl.vicreg import BarlowTwins, VICReg
 
-__all__ = ["BYOL", "BarlowTwins", "MoCoV3", "MomentumTwoViewModel", "SimCLR", "TwoViewModel", "VICReg",
+__all__ = ["BYOL", "BarlowTwins", "DINO", "MoCoV3", "MomentumTwoViewModel", "SimCLR", "TwoViewModel", "VICReg",
            "barlow_twins_loss", "byol_loss", "info_nce", "nt_xent", "vicreg_loss"]

@@ -81,6 +81,11 @@ class TwoViewModel(keras.Model):
         self._compiled_views = None  # set by compile(jit_compile=True) on several mirrored replicas
 
     @classmethod
+    def check_inputs(cls, config, image_shape: tuple[int, int, int]) -> None:
+        """Raises `tfmp.config.UsageError` (one line) for a run this method cannot take; checked before anything is
+        written. Every method here takes what the CLI checks for all of them."""
+
+    @classmethod
     def from_run_config(cls, encoder: keras.Model, config, **common) -> "TwoViewModel":
         """The method with a run's settings (`settings`, by name); `common` are `TwoViewModel`'s arguments."""
         return cls(encoder, **{name: getattr(config, name) for name in cls.settings}, **common)

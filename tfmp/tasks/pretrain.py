@@ -59,6 +59,7 @@ def check_inputs(config: Config, data: tfmp_data.ImageData) -> None:
     check_batch_fits(config.global_batch_size, count, f"images of {data.name} to pretrain on")
     check_label_draws(config, data)
     check_model_fits(config, data)
+    registry.SSL_METHODS.load(config.task).check_inputs(config, data.image_shape)
 
 
 def build_method(config: Config, data: tfmp_data.ImageData, runtime: Runtime, total_steps: int):
