@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-METHODS = ("simclr", "byol", "vicreg", "barlow_twins", "mocov3")
+METHODS = ("simclr", "byol", "vicreg", "barlow_twins", "mocov3", "dino")
 CELLS = (("float32", "off"), ("mixed_bfloat16", "off"), ("float32", "mirrored:2"))
 
 
