@@ -423,6 +423,9 @@ def test_a_vit_pretrained_by_the_cli_serves_linear_eval_and_finetune(tmp_path):
     finetuned = training.run(Config(task="finetune", encoder=encoder, epochs=20, learning_rate=1e-3, **common),
                              str(tmp_path / "finetune"))
     assert finetuned["eval_accuracy"] > 0.2
+    decayed = training.run(Config(task="finetune", encoder=encoder, epochs=20, learning_rate=1e-3, layer_decay=0.75, **common),
+                           str(tmp_path / "finetune_decayed"))
+    assert decayed["eval_accuracy"] > 0.2
     # At another resolution than it learned (digits at 16 px: 64 tokens instead of 16), adopted back to any resolution.
     larger = training.run(Config(task="linear_eval", encoder=encoder, image_size=16, **common), str(tmp_path / "eval16"))
     assert larger["linear_probe_accuracy"] > 0.2
@@ -459,3 +462,45 @@ def test_the_pytorch_peer_builds_the_sizes_tfmp_builds():
     encoder = models.build_encoder("vit_tiny_p4", (32, 32, 3))
     # + its 10-class head, + the patch convolution's bias (folded into the position embedding in tfmp's)
     assert sum(parameter.numel() for parameter in network.parameters()) == encoder.count_params() + (192 * 10 + 10) + 192
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_layer_decay_scales_each_blocks_learning_rate(replicas):
+    """`--layer_decay=0.5` on a 2-block ViT classifier, one SGD step: each variable moves by its gradient times the
+    learning rate times 0.5^3 (patch embedding), 0.5^2 (block 0), 0.5 (block 1), 1 (final norm, head)."""
+    from tfmp import optimizers
+
+    size = vit.ViTSize(patch=2, width=8, depth=2, heads=2, mlp_width=16)
+    images = np.random.default_rng(0).normal(size=(8, 8, 8, 1)).astype(np.float32)
+    labels = np.arange(8) % 10
+
+    def classifier(strategy):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = models.build_classifier(vit.vision_transformer((8, 8, 1), size, "tiny"), 10)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference = classifier(tf.distribute.get_strategy())
+    with tf.GradientTape() as tape:
+        loss = reference.compute_loss(y=labels, y_pred=reference(images, training=True))
+    gradients = [gradient.numpy() for gradient in tape.gradient(loss, reference.trainable_variables)]
+    model = classifier(distribute.get_strategy("mirrored") if replicas == 2 else tf.distribute.get_strategy())
+    optimizers.decay_learning_rate_by_layer(model.optimizer, model.trainable_variables, 0.5)
+    before = [variable.numpy().copy() for variable in model.trainable_variables]
+    model.fit(images, labels, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    expected = {"patch_embedding": 0.125, "block0": 0.25, "block1": 0.5, "final_norm": 1.0, "logits": 1.0}
+    seen = set()
+    for variable, start, gradient in zip(model.trainable_variables, before, gradients):
+        part = next(name for name in expected if f"{name}/" in variable.path or f"{name}_" in variable.path)
+        seen.add(part)
+        np.testing.assert_allclose(start - variable.numpy(), 0.1 * expected[part] * gradient, rtol=2e-4, atol=1e-7,
+                                   err_msg=variable.path)
+    assert seen == set(expected)
+    with pytest.raises(ValueError, match="--layer_decay is for ViT encoders"):
+        optimizers.layer_decay_factors(models.build_encoder("small_cnn", (8, 8, 1)).trainable_variables, 0.5)
+    from tfmp.config import Config, UsageError, validate
+
+    with pytest.raises(UsageError, match=r"^--layer_decay=0.5 is for --task=finetune of a ViT encoder, unsharded, above 0 "
+                                         r"\(got --task=simclr, --sharding=none\)$"):
+        validate(Config(task="simclr", layer_decay=0.5))

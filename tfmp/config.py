@@ -261,6 +261,8 @@ class Config:
     clipnorm: float = _field(0.0, "Clip each variable's gradient to this norm (Keras' name; DINO's clip_grad), after the "
                                   "replicas' sum and unscaled, as --global_clipnorm (0: off; not with it, nor with "
                                   "--sharding).", at_least_zero)
+    layer_decay: float = _field(1.0, "finetune on a ViT: layer-wise learning-rate decay (BEiT/MAE), block i of d learning at "
+                                     "decay^(d - i), the patch embedding at decay^(d + 1), the head at 1 (1: off).", probability)
     ema_momentum: float = _field(0.0, "Keep an exponential moving average of the weights with this momentum (Keras' name, "
                                       "e.g. 0.999; 0: off): evaluated and exported beside the trained weights.", momentum)
     gradient_accumulation_steps: int = _field(1, "Take each step's batch in this many micro-batches per replica (Keras' name; "
@@ -467,6 +469,9 @@ def validate(config: Config) -> Config:
         other = "--global_clipnorm" if config.global_clipnorm else f"--sharding={config.sharding}"
         raise UsageError(f"--clipnorm (per variable) cannot be combined with {other}; use one clipping, and --clipnorm "
                          "only unsharded")
+    if config.layer_decay != 1.0 and (config.task != "finetune" or config.sharding != "none" or config.layer_decay <= 0):
+        raise UsageError(f"--layer_decay={config.layer_decay:g} is for --task=finetune of a ViT encoder, unsharded, above 0 "
+                         f"(got --task={config.task}, --sharding={config.sharding})")
     if config.warmup_epochs > config.epochs:
         raise UsageError(f"warmup_epochs {config.warmup_epochs:g} exceeds epochs {config.epochs}: the learning rate would never "
                          f"reach --learning_rate; use at most {config.epochs}")

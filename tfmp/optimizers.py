@@ -13,6 +13,7 @@ the SimCLR reference (google-research/simclr `lars_optimizer.py`).
 from __future__ import annotations
 
 import math
+import re
 
 import keras
 from keras import ops
@@ -139,3 +140,51 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
         initial_loss_scale=config.initial_loss_scale,
         loss_scale_growth_steps=config.loss_scale_growth_steps,
     )
+
+
+# A ViT's layers by name (tfmp.models.vit): the patch embedding, then block0, block1, ...; anything else is above them.
+_PATCH_EMBEDDING = re.compile(r"(^|/)patch_embedding/")
+_BLOCK = re.compile(r"(^|/)block(\d+)_")
+
+
+def layer_decay_factors(variables: list, decay: float) -> list[float]:
+    """Layer-wise learning-rate decay (BEiT, MAE's fine-tuning): with a ViT of `depth` blocks, the patch embedding's
+    variables learn at `decay ** (depth + 1)`, block i's at `decay ** (depth - i)`, the rest (the final norm, the
+    head) at 1 — the layers nearest the input, most general, move least.
+
+    Raises:
+        ValueError: no variable belongs to a ViT block.
+    """
+    blocks = [int(match.group(2)) for variable in variables if (match := _BLOCK.search(variable.path))]
+    if not blocks:
+        raise ValueError("--layer_decay is for ViT encoders (blocks named block0, block1, ...); this model has none")
+    depth = max(blocks) + 1
+
+    def layer(path: str) -> int:
+        if _PATCH_EMBEDDING.search(path):
+            return 0
+        match = _BLOCK.search(path)
+        return int(match.group(2)) + 1 if match else depth + 1
+
+    return [decay ** (depth + 1 - layer(variable.path)) for variable in variables]
+
+
+def decay_learning_rate_by_layer(optimizer: keras.optimizers.Optimizer, variables: list, decay: float):
+    """Makes `optimizer` (Keras' or tfmp's LARS, unsharded, inside any loss scaling) update each of `variables` with
+    its learning rate times `layer_decay_factors`; returns it. Keras' decoupled weight decay runs outside the update
+    and keeps the schedule's learning rate (timm's and BEiT's groups scale it too: a smaller decay on low layers)."""
+    inner = averaging.innermost(optimizer)
+    if isinstance(inner, ShardedOptimizer):
+        raise ValueError("--layer_decay is not implemented for a sharded optimizer (--sharding)")
+    factor_of = {variable.path: factor for variable, factor in zip(variables, layer_decay_factors(variables, decay))}
+    update_step = inner.update_step
+
+    def decayed_update_step(gradient, variable, learning_rate):
+        # Called per variable while the step is traced (for each replica's copy under tf.distribute): the factor is a
+        # Python number found through the optimizer's own index of its variables.
+        path = keras_internals.optimizer_trainable_variables(inner)[keras_internals.variable_index(inner, variable)].path
+        return update_step(gradient, variable, learning_rate * factor_of.get(path, 1.0))
+
+    inner.update_step = decayed_update_step
+    inner.layer_decay = decay
+    return optimizer

@@ -92,6 +92,8 @@ def check_encoder_inputs(config: Config, data: tfmp_data.ImageData) -> None:
         raise UsageError(f"encoder {config.encoder} takes {takes}, {data.name} gives {tuple(data.image_shape)}; "
                          f"set --image_size to match")
     check_label_draws(config, data)
+    if config.layer_decay != 1.0 and vit.patch_embedding_of(encoder) is None:
+        raise UsageError(f"--layer_decay is for ViT encoders; {config.encoder} has no patch embedding")
     if config.task == "finetune":
         labeled = labeled_indices(config, data)
         check_batch_fits(min(config.global_batch_size, len(labeled)), len(labeled), "labeled examples")

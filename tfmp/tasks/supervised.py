@@ -83,6 +83,8 @@ def fit_classifier(config: Config, data: tfmp_data.ImageData, runtime: Runtime, 
             compile_model(model)
         else:
             model = compiled.compile(model, compile_model)
+        if config.layer_decay != 1.0:  # finetune of a ViT (checked before the run)
+            optimizers.decay_learning_rate_by_layer(model.optimizer, model.trainable_variables, config.layer_decay)
         # A batch reduced to a small labeled subset takes the most micro-batches up to --gradient_accumulation_steps
         # that cut it evenly (it needs less memory than the batch the flag was chosen for).
         accumulation.accumulate_gradients(model, largest_divisor_at_most(batch // replicas, config.gradient_accumulation_steps))
