@@ -83,7 +83,7 @@ def test_rerun_resumes_then_recognises_the_finished_run(tmp_path, capsys):
 USAGE_ERRORS = {
     "unknown precision": (["--precision=fp8"], "unknown precision 'fp8'; valid: float32"),
     "unknown strategy": (["--strategy=horovod"], "unknown strategy 'horovod'; valid: auto, off"),
-    "unknown task": (["--task=dino"], "unknown task 'dino'; valid: supervised"),
+    "unknown task": (["--task=no_such_method"], "unknown task 'no_such_method'; valid: supervised"),
     "unknown dataset": (["--dataset=mnist"], "unknown dataset 'mnist'; valid: digits, folder:PATH"),
     "unknown model": (["--model=vit"], "unknown model 'vit'; valid: small_cnn"),
     "unknown remat": (["--remat=all"], "unknown remat 'all'; valid: none, blocks, full"),

@@ -132,6 +132,11 @@ def test_two_replicas_train_and_the_step_compiles_with_xla():
 def test_a_run_dino_cannot_take_is_refused_before_it_starts():
     with pytest.raises(UsageError, match="--task=dino takes no --gradient_accumulation_steps > 1"):
         dino.DINO.check_inputs(Config(task="dino", gradient_accumulation_steps=2), (8, 8, 1))
-    with pytest.raises(UsageError, match=r"--task=dino's local crops of 3x3: .*multiple of 2"):
+    with pytest.raises(UsageError, match=r"^--task=dino's local crops would be 3x3 px: model vit_micro_p2 cuts 2x2 patches: the "
+                                         r"image size must be a multiple of 2, got 3x3; set --local_crop_size, --local_crops=0 or "
+                                         r"a larger --image_size$"):
         dino.DINO.check_inputs(Config(task="dino", model="vit_micro_p2", local_crop_size=3), (8, 8, 1))
+    with pytest.raises(UsageError, match=r"^--task=dino's local crops would be 3x3 px: model small_cnn needs images of at least "
+                                         r"8px, got 3; set"):  # the default model and crops on 8x8 digits
+        dino.DINO.check_inputs(Config(task="dino"), (8, 8, 1))
     dino.DINO.check_inputs(Config(task="dino", model="vit_micro_p2"), (8, 8, 1))  # 4-px local crops: fine

@@ -176,8 +176,9 @@ class DINO(MomentumTwoViewModel):
             try:
                 models.check_image_size(config.model, (side, side, image_shape[2]))
             except ValueError as error:
-                raise UsageError(f"--task=dino's local crops of {side}x{side}: {error}; set --local_crop_size or "
-                                 "--local_crops=0") from None
+                reason = str(error).split("; set --image_size")[0]
+                raise UsageError(f"--task=dino's local crops would be {side}x{side} px: {reason}; set --local_crop_size, "
+                                 "--local_crops=0 or a larger --image_size") from None
 
     # ------------------------------------------------------------------ crops
 
