@@ -140,3 +140,18 @@ def test_a_run_dino_cannot_take_is_refused_before_it_starts():
                                          r"8px, got 3; set"):  # the default model and crops on 8x8 digits
         dino.DINO.check_inputs(Config(task="dino"), (8, 8, 1))
     dino.DINO.check_inputs(Config(task="dino", model="vit_micro_p2"), (8, 8, 1))  # 4-px local crops: fine
+
+
+def test_the_memory_estimate_counts_the_local_crops_by_their_pixels():
+    from tfmp import data, training
+    from tfmp.runtime import Runtime
+
+    digits = data.load("digits")
+    runtime = Runtime.for_strategy(tf.distribute.get_strategy())
+    assert dino.DINO.views_per_example(Config(task="dino", model="vit_micro_p2"), (8, 8, 1)) == 2 + 6 * (4 / 8) ** 2
+    assert dino.DINO.views_per_example(Config(task="dino", local_crops=0), (8, 8, 1)) == 2
+    with_locals = training._memory_estimate(Config(task="dino", model="vit_micro_p2", global_batch_size=64), digits, runtime)
+    without = training._memory_estimate(Config(task="dino", model="vit_micro_p2", global_batch_size=64, local_crops=0), digits,
+                                        runtime)
+    per_view = (without.activations_bytes - without.fixed_activations_bytes) / 2
+    assert with_locals.activations_bytes - with_locals.fixed_activations_bytes == pytest.approx(3.5 * per_view, rel=1e-6)

@@ -156,7 +156,7 @@ def activation_bytes(model: keras.Model, input_shape: tuple[int, ...]) -> tuple[
 
 
 def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replica_batch: int, optimizer: str = "adamw",
-                    views: int = 1, optimizer_shards: int = 1, accumulation_steps: int = 1,
+                    views: float = 1, optimizer_shards: int = 1, accumulation_steps: int = 1,
                     gradient_shards: int = 1) -> MemoryEstimate:
     """Estimates one replica's training memory.
 
@@ -165,7 +165,8 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
         input_shape: one example's shape.
         per_replica_batch: examples per replica per step.
         optimizer: name in `OPTIMIZER_SLOTS`.
-        views: forward passes per example (2 for SimCLR's two views).
+        views: forward passes per example, in full-size images (2 for SimCLR's two views; DINO's local crops count
+            by their share of the pixels).
         optimizer_shards: replicas the optimizer state is sharded over (`--sharding=zero1`): each holds
             its share (an equal chunk of every variable, the last padded).
         accumulation_steps: micro-batches per step (`--gradient_accumulation_steps`): the activations are one
@@ -176,7 +177,7 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
     params = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
     trainable = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
     per_example, fixed = activation_bytes(model, input_shape)
-    activations = per_example * (per_replica_batch // accumulation_steps) * views + fixed
+    activations = round(per_example * (per_replica_batch // accumulation_steps) * views) + fixed
     return MemoryEstimate(
         precision=precision.global_policy_name(),
         per_replica_batch=per_replica_batch,

@@ -180,6 +180,14 @@ class DINO(MomentumTwoViewModel):
                 raise UsageError(f"--task=dino's local crops would be {side}x{side} px: {reason}; set --local_crop_size, "
                                  "--local_crops=0 or a larger --image_size") from None
 
+    @classmethod
+    def views_per_example(cls, config, image_shape: tuple[int, int, int]) -> float:
+        """The 2 global crops and each local one by its share of the pixels (the teacher's forward pass keeps nothing)."""
+        if not config.local_crops:
+            return 2.0
+        side = local_crop_side(config.local_crop_size, image_shape[0], getattr(registry.ENCODERS.load(config.model), "patch_size", 1))
+        return 2.0 + config.local_crops * (side / image_shape[0]) ** 2
+
     # ------------------------------------------------------------------ crops
 
     def local_size(self, image_side: int) -> int:

@@ -86,6 +86,11 @@ class TwoViewModel(keras.Model):
         written. Every method here takes what the CLI checks for all of them."""
 
     @classmethod
+    def views_per_example(cls, config, image_shape: tuple[int, int, int]) -> float:
+        """Forward passes through the encoder per image in a step, in full-size images (the memory estimate's)."""
+        return 2.0
+
+    @classmethod
     def from_run_config(cls, encoder: keras.Model, config, **common) -> "TwoViewModel":
         """The method with a run's settings (`settings`, by name); `common` are `TwoViewModel`'s arguments."""
         return cls(encoder, **{name: getattr(config, name) for name in cls.settings}, **common)
