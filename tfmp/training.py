@@ -20,7 +20,7 @@ import tensorflow as tf
 import tfmp
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import data as tfmp_data
-from tfmp import distribute, models, registry, report, tasks
+from tfmp import distribute, models, report, tasks
 from tfmp.config import CHANGEABLE_AFTER_FAILURE, Config, UsageError, load_json, parse_memory_size
 from tfmp.run_directory import RunDirectory, check_before_run
 from tfmp.runtime import Runtime, prepare
@@ -42,9 +42,7 @@ def _memory_estimate(config: Config, data: tfmp_data.ImageData, runtime: Runtime
         model = models.build_classifier(build_encoder(config, runtime, data.image_shape), data.num_classes)
         apply_float32_layers(model, config)
     shards = runtime.num_replicas if config.sharding in ("zero1", "zero2") else 1
-    views = tasks.get(config.task).views
-    if config.task in registry.SSL_METHODS.names():  # a method's crops: DINO's local ones are smaller
-        views = registry.SSL_METHODS.load(config.task).views_per_example(config, data.image_shape)
+    views = tasks.get(config.task).views(config, data.image_shape)
     return memory.estimate_memory(model, data.image_shape, per_replica, config.optimizer, views=views,
                                   optimizer_shards=shards, accumulation_steps=config.gradient_accumulation_steps,
                                   gradient_shards=runtime.num_replicas if config.sharding == "zero2" else 1)

@@ -60,22 +60,24 @@ def forward_flops_per_example(model, input_shape) -> int:
             macs += int(np.prod(summed)) * int(np.prod(output.shape[1:]))
         else:
             macs += int(np.prod(kernel[:-1])) * int(np.prod(output.shape[1:]))
-    for attention, (queries, keys) in attention_lengths(model, dict((names[layer], layer) for layer in layers), captured).items():
+    layer_named = {name: layer for layer, name in names.items()}
+    output_of = {layer_named[name]: output for name, output in captured}
+    for attention, (queries, keys) in attention_lengths(model, output_of).items():
         # logits: queries x keys per head over key_dim; output: queries x value_dim per head over the keys
         value_dim = attention.value_dim or attention.key_dim
         macs += attention.num_heads * queries * keys * (attention.key_dim + value_dim)
     return 2 * macs
 
 
-def attention_lengths(model, layers_by_name: dict, captured: list) -> dict:
+def attention_lengths(model, output_of: dict) -> dict:
     """Every `MultiHeadAttention` layer in `model` (nested models too) -> (query length, key length): the lengths of
-    its query and key projections' outputs in the `captured` call (a ViT's token count follows the image)."""
+    its query and key projections' outputs in one call (`output_of`: layer -> output; a ViT's token count follows
+    the image)."""
     import keras
 
     from tfmp import keras_internals
 
     lengths = {}
-    output_of = {layers_by_name[name]: output for name, output in captured}
     for layer in keras_internals.nested_layers(model):
         if isinstance(layer, keras.layers.MultiHeadAttention):
             lengths[layer] = (int(output_of[layer.query_dense].shape[1]), int(output_of[layer.key_dense].shape[1]))

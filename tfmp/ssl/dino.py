@@ -79,6 +79,11 @@ def dino_head(input_dim: int, hidden_dim: int, bottleneck_dim: int, prototypes: 
     return head
 
 
+def teacher_probabilities(teacher: tf.Tensor, center: tf.Tensor, teacher_temperature: tf.Tensor) -> tf.Tensor:
+    """The teacher's logits centred and sharpened: `softmax((teacher - center) / temperature)`, float32."""
+    return tf.nn.softmax((tf.cast(teacher, tf.float32) - center) / teacher_temperature, axis=-1)
+
+
 def dino_loss(student: tf.Tensor, teacher: tf.Tensor, center: tf.Tensor, batch: tf.Tensor, student_temperature: float,
               teacher_temperature: tf.Tensor) -> tf.Tensor:
     """DINO's cross-entropy, float32, mean over the examples and the (teacher crop, other crop) pairs.
@@ -89,13 +94,17 @@ def dino_loss(student: tf.Tensor, teacher: tf.Tensor, center: tf.Tensor, batch: 
         center: `[K]` subtracted from the teacher's logits.
         batch: images per crop.
     """
+    return cross_entropy(student, teacher_probabilities(teacher, center, teacher_temperature), batch, student_temperature)
+
+
+def cross_entropy(student: tf.Tensor, targets: tf.Tensor, batch: tf.Tensor, student_temperature: float) -> tf.Tensor:
+    """`dino_loss` given the teacher's probabilities `targets` (`teacher_probabilities`), `[2 * batch, K]`."""
     crops = tf.shape(student)[0] // batch
     student_log_probabilities = tf.nn.log_softmax(tf.cast(student, tf.float32) / student_temperature, axis=-1)
-    teacher_probabilities = tf.nn.softmax((tf.cast(teacher, tf.float32) - center) / teacher_temperature, axis=-1)
     student_log_probabilities = tf.reshape(student_log_probabilities, [crops, batch, -1])
-    teacher_probabilities = tf.reshape(teacher_probabilities, [GLOBAL_CROPS, batch, -1])
+    targets = tf.reshape(targets, [GLOBAL_CROPS, batch, -1])
     # cross[q, v]: mean over the batch of -sum_k p_teacher(q) log p_student(v)
-    cross = -tf.einsum("qbk,vbk->qv", teacher_probabilities, student_log_probabilities) / tf.cast(batch, tf.float32)
+    cross = -tf.einsum("qbk,vbk->qv", targets, student_log_probabilities) / tf.cast(batch, tf.float32)
     same = tf.eye(GLOBAL_CROPS, num_columns=crops)  # a global crop is not compared with itself
     pairs = tf.cast(GLOBAL_CROPS * crops - GLOBAL_CROPS, tf.float32)
     return tf.reduce_sum(cross * (1.0 - same)) / pairs
@@ -229,8 +238,8 @@ class DINO(MomentumTwoViewModel):
         """DINO's loss of the encoder's `features` of every crop (the 2 global crops first) against `targets`."""
         teacher, temperature = targets
         student = self.projector(features, training=True)
-        loss = dino_loss(student, teacher, self.center, batch_size, self.student_temperature, temperature)
-        probabilities = tf.nn.softmax((teacher - self.center) / temperature, axis=-1)
+        probabilities = teacher_probabilities(teacher, self.center, temperature)
+        loss = cross_entropy(student, probabilities, batch_size, self.student_temperature)
         entropy = -tf.reduce_mean(tf.reduce_sum(probabilities * tf.math.log(probabilities + 1e-12), axis=-1))
         return loss, {"teacher_entropy": entropy, "teacher_temperature": temperature}
 

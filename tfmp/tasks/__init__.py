@@ -26,7 +26,9 @@ class Task:
     run: Callable[..., dict]  # (config, data, runtime, directory, extra_callbacks, progress) -> metrics
     check_inputs: Callable[..., None]  # (config, data); raises UsageError
     phases: Callable[..., list]  # (config) -> the `tfmp.report.Phase`s `run` announces, in order
-    views: int = 1  # images per example in a step (two for the SSL methods; the memory estimate uses it)
+    # (config, image shape) -> full-size images per example in a step, for the memory estimate (a pretraining
+    # task asks its method: two views, or DINO's crops by their pixels)
+    views: Callable[..., float] = lambda config, image_shape: 1.0
 
 
 def get(name: str) -> Task:

@@ -84,15 +84,15 @@ def load_encoder(path: str) -> keras.Model:
 def check_encoder_inputs(config: Config, data: tfmp_data.ImageData) -> None:
     """`--encoder=PATH` loads (safe mode) and takes the data's images, checked before anything is written."""
     encoder = load_encoder(config.encoder)
+    embedding = vit.patch_embedding_of(encoder)
     if not export.takes_images_of(encoder, data.image_shape):
-        embedding = vit.patch_embedding_of(encoder)
         channels = encoder.input_shape[-1]
         takes = (f"images with sides a multiple of {embedding.patch} and {channels} channel{'s' if channels > 1 else ''}"
                  if embedding is not None else f"images of shape {tuple(encoder.input_shape[1:])}")
         raise UsageError(f"encoder {config.encoder} takes {takes}, {data.name} gives {tuple(data.image_shape)}; "
                          f"set --image_size to match")
     check_label_draws(config, data)
-    if config.layer_decay != 1.0 and vit.patch_embedding_of(encoder) is None:
+    if config.layer_decay != 1.0 and embedding is None:
         raise UsageError(f"--layer_decay is for ViT encoders; {config.encoder} has no patch embedding")
     if config.task == "finetune":
         labeled = labeled_indices(config, data)

@@ -164,4 +164,8 @@ def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: 
     return metrics
 
 
-TASK = tasks.Task(run, check_inputs, phases, views=2)
+def views(config: Config, image_shape: tuple[int, int, int]) -> float:
+    return registry.SSL_METHODS.load(config.task).views_per_example(config, image_shape)
+
+
+TASK = tasks.Task(run, check_inputs, phases, views)
