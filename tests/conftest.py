@@ -28,6 +28,22 @@ distribute.split_cpu(NUM_TEST_DEVICES)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def one_device_and_two_replicas(loss_and_gradients, single, mirrored, strategy, *batch):
+    """`loss_and_gradients(model, *batch, replicas)` on `single` (one device, the whole batch) and on `mirrored` under
+    `strategy`'s 2 replicas, each given its half of every tensor of `batch`: ((loss, gradients), (the replicas' losses,
+    their gradients summed over the replicas, None where a variable gets none))."""
+    whole = tf.function(lambda: loss_and_gradients(single, *batch, 1))()
+    half = batch[0].shape[0] // 2
+
+    def replica_step():
+        rows = tf.range(half) + half * tf.distribute.get_replica_context().replica_id_in_sync_group
+        return loss_and_gradients(mirrored, *(tf.gather(tensor, rows) for tensor in batch), 2)
+
+    losses, gradients = tf.function(lambda: strategy.run(replica_step))()
+    summed = [None if gradient is None else strategy.reduce("SUM", gradient, axis=None) for gradient in gradients]
+    return whole, ([float(loss) for loss in strategy.experimental_local_results(losses)], summed)
+
 # Tests whose subject is not bf16 itself (multi-worker, fault tolerance, the SSL CLI) run
 # at the precision `auto` picks: bf16 where the CPU has bf16 units, float32 where bf16
 # would be emulated (several times slower there).

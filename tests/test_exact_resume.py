@@ -179,3 +179,17 @@ def test_a_dino_run_killed_with_sigkill_resumes_bit_for_bit():
     for stop in report["stops"]:
         assert stop["steps"] == report["steps"] and stop["checkpoint_difference"][0] == 0.0, stop
         assert not {"linear_probe_accuracy", "knn_accuracy"} & set(stop["metric_differences"]), stop
+
+
+@pytest.mark.slow  # ~1 min: an MAE run killed twice, each rerun to the end
+def test_an_mae_run_killed_with_sigkill_resumes_bit_for_bit():
+    """The masks and views come from the step's seed, the rest is weights and optimizer state: a kill -9 in the first
+    epoch and one in the last end where the run that never stopped does."""
+    overrides = {"task": "mae", "model": "vit_micro_p2", "epochs": 3, "global_batch_size": 256, "label_fraction": 0.05,
+                 "label_draws": 1, "compare_supervised": False, "probe_epochs": 5, "knn_every_epochs": 1, "flip": False,
+                 "checkpoint_every_steps": 2, "decoder_width": 32, "decoder_depth": 1, "decoder_heads": 4,
+                 "color_jitter": 0.0, "blur_probability": 0.0}
+    report = _measure(overrides, [3, 11], "--deterministic", "--signal=KILL")  # 5 steps an epoch: the first, the third
+    for stop in report["stops"]:
+        assert stop["steps"] == report["steps"] and stop["checkpoint_difference"][0] == 0.0, stop
+        assert not {"linear_probe_accuracy", "knn_accuracy"} & set(stop["metric_differences"]), stop

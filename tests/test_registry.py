@@ -1,14 +1,16 @@
 """Plug-ins are one module and one registry line: an SSL method and a dataset source defined here,
 registered with one call each, run end to end through `tfmp.training.run` without tfmp knowing them."""
 
+import dataclasses
 import os
 
 import keras
 import numpy as np
 import pytest
+from absl import flags
 
 from tfmp import registry, ssl, training
-from tfmp.config import Config, UsageError, validate
+from tfmp.config import Config, UsageError, define_flags, validate
 from tfmp.data import ImageData, datasets
 from tfmp.ssl.losses import nt_xent
 
@@ -88,3 +90,23 @@ def test_every_registered_plug_in_loads():
     fields = set(Config.__dataclass_fields__)
     for name in registry.SSL_METHODS.names():
         assert set(registry.SSL_METHODS.load(name).settings) <= fields, name
+
+
+def test_each_method_declares_the_settings_its_class_reads_and_help_groups_them():
+    """A method's settings are declared once in the TensorFlow-free schema (`_method_field`, which names the methods)
+    and read by its class (`settings`): the two must agree, and `--help` lists them under the method's heading."""
+    declared: dict[str, set] = {}
+    for field in dataclasses.fields(Config):
+        for method in field.metadata.get("methods", ()):
+            declared.setdefault(method, set()).add(field.name)
+    builtin = [name for name in registry.SSL_METHODS.names() if registry.SSL_METHODS.entry(name).target.startswith("tfmp.")]
+    assert "mae" in builtin and "dino" in builtin
+    for name in builtin:
+        assert set(registry.SSL_METHODS.load(name).settings) == declared.get(name, set()), name
+    flag_values = flags.FlagValues()
+    define_flags(flag_values)
+    mae_flags = {flag.name for flag in flag_values.get_flags_for_module("settings of --task=mae")}
+    assert mae_flags == {"mask_ratio", "decoder_width", "decoder_depth", "decoder_heads", "norm_pixel_loss"}
+    shared = {flag.name for flag in flag_values.get_flags_for_module("settings of --task=byol|mocov3|dino")}
+    assert shared == {"target_momentum"}
+    assert "epochs" in {flag.name for flag in flag_values.get_flags_for_module("run settings (tfmp.config)")}

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO
+from conftest import REPO, one_device_and_two_replicas
 from tfmp import data, distribute, models, precision, registry, ssl, training
 from tfmp.config import Config, validate
 from tfmp.data import augment
@@ -28,6 +28,9 @@ from tfmp.runtime import Runtime
 from tfmp.tasks import pretrain
 
 METHODS = registry.SSL_METHODS.names()
+# Methods that take any encoder and compare views through `ssl_loss`: the tests below run them on the small CNN (MAE,
+# ViT only, has its own in tests/test_mae.py).
+ANY_ENCODER_METHODS = [name for name in METHODS if not registry.SSL_METHODS.load(name).vit_only]
 SYNCHRONIZED = models.NormSettings(synchronized=True)
 
 # ---------------------------------------------------------------------------- losses against NumPy
@@ -121,7 +124,7 @@ def _loss_and_gradients(model, first, second, num_replicas):
     return loss, tape.gradient(scaled, model.trainable_variables)
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", ANY_ENCODER_METHODS)
 def test_two_replicas_give_the_one_device_loss_and_gradients(name):
     images = tf.random.stateless_uniform((8, 8, 8, 1), seed=[1, 2])
     first, second = images, tf.image.flip_left_right(images) * 0.9  # fixed "views": the same on both set-ups
@@ -133,24 +136,18 @@ def test_two_replicas_give_the_one_device_loss_and_gradients(name):
     for a, b in zip(single.weights, mirrored.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
-    loss, gradients = tf.function(lambda: _loss_and_gradients(single, first, second, 1))()
-
-    def replica_step():
-        rows = tf.range(4) + 4 * tf.distribute.get_replica_context().replica_id_in_sync_group
-        return _loss_and_gradients(mirrored, tf.gather(first, rows), tf.gather(second, rows), 2)
-
-    replica_losses, replica_gradients = tf.function(lambda: strategy.run(replica_step))()
-    losses = [float(value) for value in strategy.experimental_local_results(replica_losses)]
+    (loss, gradients), (losses, summed) = one_device_and_two_replicas(_loss_and_gradients, single, mirrored, strategy,
+                                                                       first, second)
     assert np.mean(losses) == pytest.approx(float(loss), rel=2e-5)
-    assert len(gradients) == len(replica_gradients) == len(single.trainable_variables)
+    assert len(gradients) == len(summed) == len(single.trainable_variables)
     compared = 0
-    for expected, per_replica, variable in zip(gradients, replica_gradients, single.trainable_variables):
-        assert (expected is None) == (per_replica is None), variable.path
+    for expected, total, variable in zip(gradients, summed, single.trainable_variables):
+        assert (expected is None) == (total is None), variable.path
         if expected is None:  # the online probe: not part of the SSL loss
             assert "online_probe" in variable.path
             continue
         compared += 1
-        total = strategy.reduce("SUM", per_replica, axis=None).numpy()
+        total = total.numpy()
         # float32 sums in another order: differences scale with the gradient's magnitude (Barlow Twins' are ~4).
         scale = max(1.0, float(np.abs(expected.numpy()).max()))
         np.testing.assert_allclose(total, expected.numpy(), rtol=1e-3, atol=2e-5 * scale, err_msg=variable.path)
@@ -193,7 +190,7 @@ def test_the_optimizer_keeps_no_slots_for_the_target():
 # Under -m slow: fp16 is TensorFlow's slow path on a CPU (BYOL and VICReg took 60-65 s each on the 2-core Xeon with
 # AMX). The default suite keeps fp16 SSL through SimCLR's planted overflow (tests/test_ssl.py).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", ANY_ENCODER_METHODS)
 def test_each_method_under_fp16_finishes_with_finite_weights(name):
     precision.set_policy("mixed_float16")
     model = _method(name, tf.distribute.get_strategy())
@@ -282,7 +279,8 @@ def _parse(text):
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "byol" else pytest.mark.slow) for name in METHODS])
 def test_every_method_writes_an_encoder_linear_eval_serves(name, tmp_path):
-    common = dict(dataset="digits", model="small_cnn", precision="float32", strategy="off", epochs=1, global_batch_size=128,
+    model = "vit_micro_p2" if registry.SSL_METHODS.load(name).vit_only else "small_cnn"
+    common = dict(dataset="digits", model=model, precision="float32", strategy="off", epochs=1, global_batch_size=128,
                   label_fraction=0.05, probe_epochs=5, flip=False)
     metrics = training.run(Config(task=name, **common), str(tmp_path / "pretrain"))
     assert metrics["method"] == name and np.isfinite(metrics["train_loss"])

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from scipy.special import erf
 
-from conftest import REPO
+from conftest import REPO, one_device_and_two_replicas
 from tfmp import data, distribute, models, precision, registry, ssl
 from tfmp.data import augment
 from tfmp.diagnostics import flops, memory, precision_report
@@ -287,16 +287,11 @@ def test_two_replicas_give_the_one_device_loss_and_gradients():
     strategy = distribute.get_strategy("mirrored")
     assert strategy.num_replicas_in_sync == 2
     mirrored = build(strategy)
-    loss, gradients = tf.function(lambda: _classifier_loss_and_gradients(single, images, labels, 1))()
-
-    def replica_step():
-        rows = tf.range(4) + 4 * tf.distribute.get_replica_context().replica_id_in_sync_group
-        return _classifier_loss_and_gradients(mirrored, tf.gather(images, rows), tf.gather(labels, rows), 2)
-
-    losses, per_replica = tf.function(lambda: strategy.run(replica_step))()
-    assert np.mean([float(value) for value in strategy.experimental_local_results(losses)]) == pytest.approx(float(loss), rel=1e-5)
-    for expected, replicas, variable in zip(gradients, per_replica, single.trainable_variables):
-        np.testing.assert_allclose(strategy.reduce("SUM", replicas, axis=None).numpy(), expected.numpy(), rtol=1e-3, atol=1e-6,
+    (loss, gradients), (losses, summed) = one_device_and_two_replicas(_classifier_loss_and_gradients, single, mirrored,
+                                                                       strategy, images, labels)
+    assert np.mean(losses) == pytest.approx(float(loss), rel=1e-5)
+    for expected, total, variable in zip(gradients, summed, single.trainable_variables):
+        np.testing.assert_allclose(total.numpy(), expected.numpy(), rtol=1e-3, atol=1e-6,
                                    err_msg=variable.path)
 
 
@@ -319,7 +314,11 @@ def _ssl_method_on_a_tiny_vit(name, strategy):
         encoder = models.build_encoder("vit_micro_p2", (8, 8, 1))
         method = registry.SSL_METHODS.load(name)
         options = {"total_steps": 8} if issubclass(method, ssl.MomentumTwoViewModel) else {}
-        model = method(encoder, projection_dim=16, num_classes=10, norm=models.NormSettings(synchronized=True), seed=0,
+        if "projection_dim" in method.settings:
+            options["projection_dim"] = 16
+        if "decoder_width" in method.settings:  # MAE
+            options.update(decoder_width=32, decoder_depth=1, decoder_heads=4)
+        model = method(encoder, num_classes=10, norm=models.NormSettings(synchronized=True), seed=0,
                        augment_config=augment.AugmentConfig(crop_scale=(0.5, 1.0), flip=False), **options)
         model.compile(optimizer=precision.wrap_optimizer(keras.optimizers.AdamW(1e-3)))
     return model
@@ -392,19 +391,23 @@ def test_the_memory_estimate_is_near_the_measured_peak_with_and_without_remat():
     assert measured["blocks"] < 0.7 * measured["none"]
 
 
-def test_the_cifar10_vit_preset_is_a_valid_config():
-    """The GPU/TPU preset cannot run here (CIFAR-10 is not downloadable offline); its flags must still parse and pass
-    every check the CLI makes before touching the data."""
+@pytest.mark.parametrize("preset, task", [("cifar10_mocov3_vit", "mocov3"), ("cifar10_mae_vit", "mae")])
+def test_the_cifar10_vit_presets_are_valid_configs(preset, task):
+    """The GPU/TPU presets cannot run here (CIFAR-10 is not downloadable offline); their flags must still parse and
+    pass every check the CLI makes before touching the data, the method's own included."""
     from absl import flags
 
-    from tfmp import config
+    from tfmp import config, registry
+    from tfmp.tasks import stage
 
     flag_values = flags.FlagValues()
     config.define_flags(flag_values)
-    flag_values(["tfmp.train", f"--flagfile={os.path.join(REPO, 'experiments', 'cifar10_mocov3_vit.cfg')}"])
+    flag_values(["tfmp.train", f"--flagfile={os.path.join(REPO, 'experiments', f'{preset}.cfg')}"])
     parsed = config.validate(config.from_flags(flag_values))
-    assert (parsed.task, parsed.model, parsed.drop_path_rate) == ("mocov3", "vit_tiny_p4", 0.1)
+    assert (parsed.task, parsed.model) == (task, "vit_tiny_p4")
     models.check_image_size(parsed.model, (32, 32, 3))
+    stage.check_method_settings(parsed)
+    registry.SSL_METHODS.load(task).check_inputs(parsed, (32, 32, 3))
 
 
 @pytest.mark.slow  # ~40 s
@@ -487,6 +490,10 @@ def test_layer_decay_scales_each_blocks_learning_rate(replicas):
     gradients = [gradient.numpy() for gradient in tape.gradient(loss, reference.trainable_variables)]
     model = classifier(distribute.get_strategy("mirrored") if replicas == 2 else tf.distribute.get_strategy())
     optimizers.decay_learning_rate_by_layer(model.optimizer, model.trainable_variables, 0.5)
+    # Again, as a compiled model trained once per label draw is (`CompiledOnce`): decayed once, not 0.25, 0.0625, ...
+    optimizers.decay_learning_rate_by_layer(model.optimizer, model.trainable_variables, 0.5)
+    with pytest.raises(ValueError, match="decays its learning rate by layer at 0.5 already, not 0.75"):
+        optimizers.decay_learning_rate_by_layer(model.optimizer, model.trainable_variables, 0.75)
     before = [variable.numpy().copy() for variable in model.trainable_variables]
     model.fit(images, labels, batch_size=8, epochs=1, shuffle=False, verbose=0)
     expected = {"patch_embedding": 0.125, "block0": 0.25, "block1": 0.5, "final_norm": 1.0, "logits": 1.0}
@@ -501,6 +508,7 @@ def test_layer_decay_scales_each_blocks_learning_rate(replicas):
         optimizers.layer_decay_factors(models.build_encoder("small_cnn", (8, 8, 1)).trainable_variables, 0.5)
     from tfmp.config import Config, UsageError, validate
 
-    with pytest.raises(UsageError, match=r"^--layer_decay=0.5 is for --task=finetune of a ViT encoder, unsharded, above 0 "
+    with pytest.raises(UsageError, match=r"^--layer_decay=0.5 is for --task=finetune or --compare_finetune of a ViT encoder, "
+                                         r"unsharded, above 0 "
                                          r"\(got --task=simclr, --sharding=none\)$"):
         validate(Config(task="simclr", layer_decay=0.5))

@@ -133,6 +133,10 @@ def fraction(name, value):
     return None if 0 < value <= 1 else f"{name} must be in (0, 1], got {value}"
 
 
+def open_fraction(name, value):
+    return None if 0 < value < 1 else f"{name} must be in (0, 1), got {value}"
+
+
 def probability(name, value):
     return None if 0 <= value <= 1 else f"{name} must be in [0, 1], got {value}"
 
@@ -218,6 +222,16 @@ def _field(default, help_text: str, check=None):
     return dataclasses.field(default=default, metadata={"help": help_text, "check": check})
 
 
+def _method_field(methods: str, default, help_text: str, check=None):
+    """A setting of the SSL methods `methods` names ("byol, mocov3, dino"; each method's class lists it in its
+    `settings`, tests/test_registry.py checks both agree): its help starts with them and `--help` groups it with them."""
+    return dataclasses.field(default=default, metadata={"help": f"{methods}: {help_text}", "check": check,
+                                                        "methods": tuple(name.strip() for name in methods.split(","))})
+
+
+TWO_VIEW_HEADS = "simclr, byol, vicreg, barlow_twins, mocov3, dino"  # the methods with a projection head
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Everything that defines a run. Field names are also the CLI flag names, and each field
@@ -261,7 +275,7 @@ class Config:
     clipnorm: float = _field(0.0, "Clip each variable's gradient to this norm (Keras' name; DINO's clip_grad), after the "
                                   "replicas' sum and unscaled, as --global_clipnorm (0: off; not with it, nor with "
                                   "--sharding).", at_least_zero)
-    layer_decay: float = _field(1.0, "finetune on a ViT: layer-wise learning-rate decay (BEiT/MAE), block i of d learning at "
+    layer_decay: float = _field(1.0, "finetune (or --compare_finetune) on a ViT: layer-wise learning-rate decay (BEiT/MAE), block i of d learning at "
                                      "decay^(d - i), the patch embedding at decay^(d + 1), the head at 1 (1: off).", probability)
     ema_momentum: float = _field(0.0, "Keep an exponential moving average of the weights with this momentum (Keras' name, "
                                       "e.g. 0.999; 0: off): evaluated and exported beside the trained weights.", momentum)
@@ -293,30 +307,37 @@ class Config:
     seed: int = _field(0, "Seed for initialisation, shuffling and augmentation.", seed_range)
     # Self-supervised pretraining (--task=<an SSL method>) and its evaluation.
     pretrain_examples: int = _field(0, "Pretrain on a seeded sample of this many images (0: all; for data-size sweeps).", at_least_zero)
-    temperature: float = _field(0.2, "Softmax temperature of simclr (NT-Xent) and mocov3 (InfoNCE).", above_zero)
-    projection_dim: int = _field(128, "Output size of the projection head (and of the byol/mocov3 predictor).", positive_integer)
-    projection_hidden_dim: int = _field(0, "Hidden size of the projection head and predictor (0: the encoder's feature size).",
+    temperature: float = _method_field("simclr, mocov3", 0.2, "softmax temperature (NT-Xent, InfoNCE).", above_zero)
+    projection_dim: int = _method_field(TWO_VIEW_HEADS, 128, "output size of the projection head (and of the byol/mocov3 predictor; dino: its bottleneck).", positive_integer)
+    projection_hidden_dim: int = _method_field(TWO_VIEW_HEADS, 0, "hidden size of the projection head and predictor (0: the "
+                                                                  "encoder's feature size).",
                                         at_least_zero)
-    target_momentum: float = _field(0.99, "byol, mocov3, dino: momentum of the EMA target at step 0 (rises to 1 on a cosine).", probability)
-    invariance_weight: float = _field(25.0, "vicreg: weight of the invariance (MSE) term.", at_least_zero)
-    variance_weight: float = _field(25.0, "vicreg: weight of the variance (hinge on standard deviation) term.", at_least_zero)
-    covariance_weight: float = _field(1.0, "vicreg: weight of the covariance term.", at_least_zero)
-    redundancy_weight: float = _field(0.0051, "barlow_twins: weight of the off-diagonal cross-correlation terms.", at_least_zero)
-    local_crops: int = _field(6, "dino: local crops per image beside the 2 global ones (multi-crop; 0: the 2 global only).",
+    target_momentum: float = _method_field("byol, mocov3, dino", 0.99, "momentum of the EMA target at step 0 (rises to 1 on a cosine).", probability)
+    invariance_weight: float = _method_field("vicreg", 25.0, "weight of the invariance (MSE) term.", at_least_zero)
+    variance_weight: float = _method_field("vicreg", 25.0, "weight of the variance (hinge on standard deviation) term.", at_least_zero)
+    covariance_weight: float = _method_field("vicreg", 1.0, "weight of the covariance term.", at_least_zero)
+    redundancy_weight: float = _method_field("barlow_twins", 0.0051, "weight of the off-diagonal cross-correlation terms.", at_least_zero)
+    local_crops: int = _method_field("dino", 6, "local crops per image beside the 2 global ones (multi-crop; 0: the 2 global only).",
                               at_least_zero)
-    local_crop_size: int = _field(0, "dino: side of the local crops in pixels (0: 96/224 of the image side, rounded to the "
+    local_crop_size: int = _method_field("dino", 0, "side of the local crops in pixels (0: 96/224 of the image side, rounded to the "
                                      "ViT's patch, at least one patch).", at_least_zero)
-    local_crop_min_scale: float = _field(0.05, "dino: smallest area fraction of a local crop (the largest is --crop_min_scale, "
+    local_crop_min_scale: float = _method_field("dino", 0.05, "smallest area fraction of a local crop (the largest is --crop_min_scale, "
                                                "the global crops' smallest).", fraction)
-    prototypes: int = _field(4096, "dino: output size of the DINO head (K; 65536 in the paper).", positive_integer)
-    student_temperature: float = _field(0.1, "dino: softmax temperature of the student.", above_zero)
-    teacher_temperature: float = _field(0.04, "dino: softmax temperature of the teacher after its warmup.", above_zero)
-    warmup_teacher_temperature: float = _field(0.04, "dino: the teacher's temperature at step 0 (linear to "
+    prototypes: int = _method_field("dino", 4096, "output size of the DINO head (K; 65536 in the paper).", positive_integer)
+    student_temperature: float = _method_field("dino", 0.1, "softmax temperature of the student.", above_zero)
+    teacher_temperature: float = _method_field("dino", 0.04, "softmax temperature of the teacher after its warmup.", above_zero)
+    warmup_teacher_temperature: float = _method_field("dino", 0.04, "the teacher's temperature at step 0 (linear to "
                                                      "--teacher_temperature).", above_zero)
-    warmup_teacher_temperature_epochs: float = _field(0.0, "dino: epochs of the teacher temperature's warmup.", at_least_zero)
-    center_momentum: float = _field(0.9, "dino: momentum of the centre subtracted from the teacher's outputs.", momentum)
-    freeze_last_layer_epochs: float = _field(1.0, "dino: epochs during which the head's last layer takes no gradient.",
+    warmup_teacher_temperature_epochs: float = _method_field("dino", 0.0, "epochs of the teacher temperature's warmup.", at_least_zero)
+    center_momentum: float = _method_field("dino", 0.9, "momentum of the centre subtracted from the teacher's outputs.", momentum)
+    freeze_last_layer_epochs: float = _method_field("dino", 1.0, "epochs during which the head's last layer takes no gradient.",
                                              at_least_zero)
+    mask_ratio: float = _method_field("mae", 0.75, "fraction of each image's patches hidden from the encoder.", open_fraction)
+    decoder_width: int = _method_field("mae", 512, "token width of the decoder.", positive_integer)
+    decoder_depth: int = _method_field("mae", 8, "transformer blocks of the decoder.", positive_integer)
+    decoder_heads: int = _method_field("mae", 16, "attention heads of the decoder (dividing --decoder_width).", positive_integer)
+    norm_pixel_loss: bool = _method_field("mae", True, "reconstruct each patch's pixels normalised to mean 0, variance 1 "
+                                         "(the paper's better setting), else raw.")
     stop_on_plateau: bool = _field(False, "Stop pretraining when the kNN monitor plateaus (the small-data guard).")
     crop_min_scale: float = _field(0.08, "Smallest area fraction of the random resized crop.", fraction)
     flip: bool = _field(True, "Random horizontal flips (turn off for digits and text).")
@@ -331,6 +352,10 @@ class Config:
     probe_learning_rate: float = _field(0.01, "Learning rate of the linear probe.", above_zero)
     knn_every_epochs: int = _field(10, "Measure kNN accuracy every N pretraining epochs.", positive_integer)
     compare_supervised: bool = _field(False, "After pretraining, also train the encoder from scratch on the labeled subset.")
+    compare_finetune: bool = _field(False, "After pretraining, also fine-tune the pretrained encoder + a linear head on each "
+                                           "label draw with the baseline's recipe (--baseline_epochs, "
+                                           "--baseline_learning_rate; --layer_decay for a ViT): finetune_accuracy, how "
+                                           "MAE is evaluated.")
     baseline_epochs: int = _field(200, "Epochs of the supervised baseline over the labeled subset.", positive_integer)
     baseline_learning_rate: float = _field(3e-3, "AdamW learning rate of the supervised baseline.", above_zero)
     dry_run: bool = _field(False, "Build model and input pipeline, write WORKDIR/memory_estimate.json (with the memory plan "
@@ -469,9 +494,13 @@ def validate(config: Config) -> Config:
         other = "--global_clipnorm" if config.global_clipnorm else f"--sharding={config.sharding}"
         raise UsageError(f"--clipnorm (per variable) cannot be combined with {other}; use one clipping, and --clipnorm "
                          "only unsharded")
-    if config.layer_decay != 1.0 and (config.task != "finetune" or config.sharding != "none" or config.layer_decay <= 0):
-        raise UsageError(f"--layer_decay={config.layer_decay:g} is for --task=finetune of a ViT encoder, unsharded, above 0 "
-                         f"(got --task={config.task}, --sharding={config.sharding})")
+    fine_tunes = config.task == "finetune" or (config.compare_finetune and config.task in tfmp_registry.SSL_METHODS)
+    if config.layer_decay != 1.0 and (not fine_tunes or config.sharding != "none" or config.layer_decay <= 0):
+        raise UsageError(f"--layer_decay={config.layer_decay:g} is for --task=finetune or --compare_finetune of a ViT encoder, "
+                         f"unsharded, above 0 (got --task={config.task}, --sharding={config.sharding})")
+    if config.compare_finetune and config.task not in tfmp_registry.SSL_METHODS:
+        raise UsageError(f"--compare_finetune is for pretraining tasks ({', '.join(tfmp_registry.SSL_METHODS.names())}), "
+                         f"not --task={config.task}")
     if config.warmup_epochs > config.epochs:
         raise UsageError(f"warmup_epochs {config.warmup_epochs:g} exceeds epochs {config.epochs}: the learning rate would never "
                          f"reach --learning_rate; use at most {config.epochs}")
@@ -517,12 +546,16 @@ _DEFINERS = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.D
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """Defines one absl flag per `Config` field (same name, default and help)."""
+    """Defines one absl flag per `Config` field (same name, default and help); `--help` lists the SSL methods' own
+    settings under a heading per method (or group of methods sharing them), after the run's."""
     types = {"str": str, "int": int, "float": float, "bool": bool}
     for field in dataclasses.fields(Config):
         if field.name in flag_values:
             continue
-        _DEFINERS[types[field.type]](field.name, field.default, field.metadata["help"], flag_values=flag_values)
+        methods = field.metadata.get("methods")
+        group = f"settings of --task={'|'.join(methods)}" if methods else "run settings (tfmp.config)"
+        _DEFINERS[types[field.type]](field.name, field.default, field.metadata["help"], flag_values=flag_values,
+                                     module_name=group)
 
 
 def flag_error_message(error: flags.Error) -> str:

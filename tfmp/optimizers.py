@@ -176,6 +176,10 @@ def decay_learning_rate_by_layer(optimizer: keras.optimizers.Optimizer, variable
     inner = averaging.innermost(optimizer)
     if isinstance(inner, ShardedOptimizer):
         raise ValueError("--layer_decay is not implemented for a sharded optimizer (--sharding)")
+    if getattr(inner, "layer_decay", None) is not None:  # a compiled model trained again (`CompiledOnce`): decayed already
+        if inner.layer_decay != decay:
+            raise ValueError(f"this optimizer decays its learning rate by layer at {inner.layer_decay} already, not {decay}")
+        return optimizer
     factor_of = {variable.path: factor for variable, factor in zip(variables, layer_decay_factors(variables, decay))}
     update_step = inner.update_step
 

@@ -107,6 +107,7 @@ SSL_METHODS.register("vicreg", "tfmp.ssl.vicreg:VICReg")
 SSL_METHODS.register("barlow_twins", "tfmp.ssl.vicreg:BarlowTwins")
 SSL_METHODS.register("mocov3", "tfmp.ssl.mocov3:MoCoV3")
 SSL_METHODS.register("dino", "tfmp.ssl.dino:DINO")
+SSL_METHODS.register("mae", "tfmp.ssl.mae:MAE")
 
 ENCODERS.register("small_cnn", "tfmp.models.cnn:small_cnn")
 ENCODERS.register("resnet18_cifar", "tfmp.models.resnet:resnet18_cifar")

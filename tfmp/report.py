@@ -83,8 +83,9 @@ class Phases:
 # ------------------------------------------------------------------------------------ summary
 
 # Per-draw figures shown in the summary, in this order, with their column titles.
-DRAW_COLUMNS = (("linear_probe_accuracy", "linear probe"), ("knn_accuracy", "kNN"),
+DRAW_COLUMNS = (("linear_probe_accuracy", "linear probe"), ("knn_accuracy", "kNN"), ("finetune_accuracy", "fine-tuned"),
                 ("supervised_baseline_accuracy", "supervised baseline"))
+GAIN_COLUMNS = (("linear_probe_accuracy", "probe − baseline"), ("finetune_accuracy", "fine-tuned − baseline"))
 SINGLE_FIGURES = (("eval_accuracy", "test accuracy"), ("train_loss", "final train loss"),
                   ("examples_per_second", "examples/s"), ("mfu", "MFU"), ("steps", "steps"), ("wall_seconds", "wall seconds"))
 
@@ -102,18 +103,16 @@ def summary_table(metrics: dict) -> str:
     if columns:
         per_draw = {key: metrics.get(f"{key}_per_draw", [metrics[key]]) for key, _ in columns}
         draws = len(next(iter(per_draw.values())))
-        with_gain = "linear_probe_accuracy" in per_draw and "supervised_baseline_accuracy" in per_draw
-        header = ["label draw", *(title for _, title in columns)] + (["probe − baseline"] if with_gain else [])
+        baseline = per_draw.get("supervised_baseline_accuracy")
+        # The pretrained encoder's gain over the baseline, per way of evaluating it (probe; fine-tuning when run).
+        gains = [(key, title) for key, title in GAIN_COLUMNS if key in per_draw] if baseline else []
+        header = ["label draw", *(title for _, title in columns), *(title for _, title in gains)]
         rows = []
         for draw in range(draws):
             row = [str(draw + 1), *(f"{per_draw[key][draw]:.3f}" for key, _ in columns)]
-            if with_gain:
-                row.append(f"{per_draw['linear_probe_accuracy'][draw] - per_draw['supervised_baseline_accuracy'][draw]:+.3f}")
-            rows.append(row)
+            rows.append(row + [f"{per_draw[key][draw] - baseline[draw]:+.3f}" for key, _ in gains])
         mean_row = ["mean", *(_spread(per_draw[key]) for key, _ in columns)]
-        if with_gain:
-            gains = [p - b for p, b in zip(per_draw["linear_probe_accuracy"], per_draw["supervised_baseline_accuracy"])]
-            mean_row.append(f"{statistics.fmean(gains):+.3f}")
+        mean_row += [f"{statistics.fmean(a - b for a, b in zip(per_draw[key], baseline)):+.3f}" for key, _ in gains]
         rows.append(mean_row)
         widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
         for row in [header, *rows]:

@@ -81,6 +81,23 @@ def cubic_resize_matrix(source, target) -> tf.Tensor:
     return tf.einsum("tk,tks->ts", weights, tf.one_hot(tf.cast(taps, tf.int32), tf.cast(source, tf.int32)))
 
 
+def grid_of(images, patch: int) -> tuple:
+    """(rows, columns) of `patch`-sided patches of a batch of images: Python ints where the sides are known."""
+    return tuple(side // patch if side is not None else tf.shape(images)[axis] // patch
+                 for axis, side in ((1, images.shape[1]), (2, images.shape[2])))
+
+
+def patches(images, patch: int) -> tf.Tensor:
+    """Images (batch, height, width, channels) -> (batch, rows * columns, patch * patch * channels): each patch
+    flattened (its rows first, then columns, then channels), the patches in row-major order — how a stride-`patch`
+    convolution reads them, `PatchEmbedding`'s tokens and MAE's pixel targets."""
+    rows, columns = grid_of(images, patch)
+    channels = images.shape[-1]
+    grid = tf.reshape(images, [-1, rows, patch, columns, patch, channels])
+    grid = tf.transpose(grid, [0, 1, 3, 2, 4, 5])
+    return tf.reshape(grid, [-1, rows * columns, patch * patch * channels])
+
+
 @keras.saving.register_keras_serializable(package="tfmp")
 class PatchEmbedding(keras.layers.Layer):
     """Images (batch, height, width, channels) -> tokens (batch, patches, width), position embedding added.
@@ -111,13 +128,8 @@ class PatchEmbedding(keras.layers.Layer):
                                         initializer=keras.initializers.TruncatedNormal(stddev=0.02))
 
     def call(self, images):
-        patch, channels = self.patch, images.shape[-1]
-        rows, columns = (side // patch if side is not None else tf.shape(images)[axis] // patch
-                         for axis, side in ((1, images.shape[1]), (2, images.shape[2])))
-        patches = tf.reshape(images, [-1, rows, patch, columns, patch, channels])
-        patches = tf.transpose(patches, [0, 1, 3, 2, 4, 5])
-        patches = tf.reshape(patches, [-1, rows * columns, patch * patch * channels])
-        tokens = tf.matmul(patches, self.kernel)
+        rows, columns = grid_of(images, self.patch)
+        tokens = tf.matmul(patches(images, self.patch), self.kernel)
         position = tf.reshape(self.position_grid(rows, columns), [rows * columns, self.width])
         return tokens + tf.cast(position, tokens.dtype)
 
@@ -164,6 +176,21 @@ def patch_embedding_of(model: keras.Model) -> PatchEmbedding | None:
     rows, patch, columns = grid.target_shape[:3]
     return PatchEmbedding(patch, embedding.kernel.shape[-1], (rows, columns), name="patch_embedding",
                           dtype=embedding.dtype_policy)
+
+
+def token_encoder(encoder: keras.Model) -> tuple[PatchEmbedding, keras.Model]:
+    """A tfmp ViT encoder in two parts that share its weights: its `PatchEmbedding` (images -> tokens with their
+    positions) and a model from any number of those tokens to the final normalised tokens, (batch, tokens, width) —
+    the transformer without the pooling, which MAE runs on the visible tokens only.
+
+    Raises:
+        ValueError: `encoder` is not a tfmp ViT (no `PatchEmbedding` feeding the blocks, no `final_norm`).
+    """
+    embedding = next((layer for layer in encoder.layers if isinstance(layer, PatchEmbedding)), None)
+    names = {layer.name for layer in encoder.layers}
+    if embedding is None or "final_norm" not in names:
+        raise ValueError(f"{encoder.name} is not a tfmp ViT encoder (a PatchEmbedding, transformer blocks, final_norm)")
+    return embedding, keras.Model(embedding.output, encoder.get_layer("final_norm").output, name=f"{encoder.name}_tokens")
 
 
 def encoder_block(x, name: str, *, heads: int, mlp_width: int, drop_path: float = 0.0):

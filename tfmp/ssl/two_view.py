@@ -61,6 +61,7 @@ class TwoViewModel(keras.Model):
     # Whether the loss couples a batch's examples (negatives, batch statistics): accumulation then caches gradients.
     batch_coupled_loss: bool = True
     settings: tuple[str, ...] = ()  # the `Config` fields the method reads: constructor arguments of the same names
+    vit_only: bool = False  # the method needs a ViT encoder's tokens (MAE); the others take any encoder
 
     def __init__(self, encoder: keras.Model, *, num_classes: int = 0, augment_config: augment.AugmentConfig = augment.AugmentConfig(),
                  seed: int = 0, total_steps: int = 1000, gradient_accumulation_steps: int = 1, **kwargs):

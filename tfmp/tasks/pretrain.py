@@ -3,7 +3,8 @@
 One task for every method of `tfmp.registry.SSL_METHODS`: pretrain on the train split's images (labels
 hidden, but for the labeled fraction the online probe may see), save `WORKDIR/encoder.keras`,
 measure the frozen encoder with a linear probe and kNN on `--label_fraction` of the train labels
-(`--label_draws` draws), and, with `--compare_supervised`, train the same architecture from
+(`--label_draws` draws); with `--compare_finetune`, fine-tune a copy of it with a linear head on each draw's
+labels (as MAE is evaluated); with `--compare_supervised`, train the same architecture from
 scratch on the same labeled examples — the number SSL has to beat. The small-data guard reads
 the plan before training and the results after (`tfmp.ssl.guard`).
 """
@@ -29,7 +30,7 @@ from tfmp.tasks.evaluation import (EVAL_BATCH, check_label_draws, evaluate_over_
                                    mean_over_draws)
 from tfmp.tasks.stage import (apply_float32_layers, build_encoder, check_batch_fits, check_model_fits, fit_stage, norm_settings,
                               steps_per_execution)
-from tfmp.tasks.supervised import baseline_config, fit_classifier
+from tfmp.tasks.supervised import baseline_config, finetune_config, fit_classifier
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ def build_method(config: Config, data: tfmp_data.ImageData, runtime: Runtime, to
 def phases(config: Config) -> list[Phase]:
     """Pretraining, evaluation, then the baseline of each label draw."""
     plan = [Phase(f"pretrain {config.task} ({config.model}), {config.epochs} epochs", "pretraining"), evaluation_phase(config)]
+    if config.compare_finetune:
+        plan += [Phase(f"fine-tune the encoder, label draw {draw + 1}/{config.label_draws}", "finetune draw")
+                 for draw in range(config.label_draws)]
     if config.compare_supervised:
         plan += [Phase(f"supervised baseline, label draw {draw + 1}/{config.label_draws}", "baseline draw")
                  for draw in range(config.label_draws)]
@@ -89,7 +93,8 @@ def phases(config: Config) -> list[Phase]:
 
 def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: RunDirectory,
         extra_callbacks=(), progress: Phases | None = None) -> dict:
-    """Pretrain with `--task`'s method, save the encoder, probe it, and (optionally) train the baseline."""
+    """Pretrain with `--task`'s method, save the encoder, probe it, and (optionally) fine-tune it and train the
+    baseline on each label draw."""
     progress = progress or Phases(phases(config))
     progress.start(0)
     images, indices = pretraining_images(config, data)
@@ -117,8 +122,10 @@ def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: 
     started = time.perf_counter()
     results = fit_stage(model, pretrain, config, directory, global_batch_size=config.global_batch_size,
                         monitors=[knn, plateau], extra_callbacks=extra_callbacks,
-                        # two views through the encoder, forward + backward (the heads are not counted)
-                        flops_per_example=2 * 3 * flops.forward_flops_per_example(encoder, data.image_shape))
+                        # the method's full-size views through the encoder (two; DINO's crops and MAE's visible
+                        # tokens by their share), forward + backward (the heads are not counted)
+                        flops_per_example=views(config, data.image_shape) * 3
+                        * flops.forward_flops_per_example(encoder, data.image_shape))
     if runtime.chief:
         # Keras' own layers only, so the file loads without tfmp (tfmp.models.export).
         export.portable(encoder).save(directory.encoder_file)
@@ -142,12 +149,29 @@ def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: 
                             evaluate_over_draws(config, data, encoder, runtime.jit_compile).items() if name != "labeled_examples"})
     # Seconds per phase, so a comparison of methods can leave out the (shared) baseline.
     metrics.update(pretrain_seconds=round(pretrained - started, 2), evaluation_seconds=round(time.perf_counter() - pretrained, 2))
+    next_phase = 2
+    if config.compare_finetune:
+        finetune_started = time.perf_counter()
+        per_draw = []
+        compiled = compilation.CompiledOnce()  # one traced training step for all the draws, as the baseline's
+        for draw in range(config.label_draws):
+            progress.start(next_phase + draw)
+            distribute.set_seed(config.seed + draw)  # the head's initialisation, as the baseline's
+            with runtime.strategy.scope():  # a fresh copy of the pretrained encoder per draw, tfmp's layers
+                copy = export.adopt(export.portable(encoder), conv_weight_gradient=runtime.conv_weight_gradient)
+            finetuned = fit_classifier(finetune_config(config), data, runtime, directory.stage("finetune", f"draw{draw}"),
+                                       indices=labeled_indices(config, data, draw), encoder=copy,
+                                       validate_every=config.baseline_epochs, quiet=True, compiled=compiled)
+            per_draw.append({"finetune_accuracy": finetuned["eval_accuracy"]})
+        metrics.update(mean_over_draws(per_draw))
+        metrics["finetune_seconds"] = round(time.perf_counter() - finetune_started, 2)
+        next_phase += config.label_draws
     if config.compare_supervised:
         baseline_started = time.perf_counter()
         per_draw = []
         compiled = compilation.CompiledOnce()  # one traced training step for all the draws
         for draw in range(config.label_draws):
-            progress.start(2 + draw)
+            progress.start(next_phase + draw)
             # Seeded per draw: the baseline's initialisation must not depend on how much randomness the
             # method (or a resumption) used before it, so every method's run compares with the same baseline.
             distribute.set_seed(config.seed + draw)

@@ -111,7 +111,12 @@ def baseline_config(config: Config) -> Config:
     defaults = Config()
     return config.replace(optimizer="adamw", learning_rate=config.baseline_learning_rate, learning_rate_scaling="none",
                           epochs=config.baseline_epochs, weight_decay=defaults.weight_decay,
-                          warmup_epochs=max(1.0, 0.05 * config.baseline_epochs))
+                          warmup_epochs=max(1.0, 0.05 * config.baseline_epochs), layer_decay=1.0)
+
+
+def finetune_config(config: Config) -> Config:
+    """The recipe `--compare_finetune` fine-tunes a pretrained encoder with: the baseline's, with `--layer_decay`."""
+    return baseline_config(config).replace(layer_decay=config.layer_decay)
 
 
 def check_inputs(config: Config, data: tfmp_data.ImageData) -> None:
