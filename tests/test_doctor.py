@@ -69,3 +69,26 @@ def test_float32_layers_flag_trains(tmp_path):
     code = train.main(["tfmp.train", f"--workdir={tmp_path / 'run'}", "--epochs=1", "--precision=bf16", "--strategy=off",
                        "--float32_layers=^logits$"])
     assert code == 0
+
+
+@pytest.mark.parametrize("task, flags, layers", [
+    ("mae", ["--mask_ratio=0.5", "--decoder_width=32", "--decoder_depth=1", "--decoder_heads=4"],
+     ["mae_decoder_pixels", "mae_decoder_block0_mlp_hidden", "block3_mlp_output", "patch_embedding"]),
+    ("dino", ["--prototypes=64", "--local_crops=2", "--projection_dim=16"],
+     ["dino_head/dino_head_prototypes", "dino_head/dino_head_bottleneck", "block3_mlp_output", "patch_embedding"]),
+])
+def test_doctor_measures_an_ssl_methods_own_step(capsys, task, flags, layers):
+    """--task=<SSL method>: the report covers the method's heads or decoder, with gradients, as its step runs them."""
+    assert doctor.main(["tfmp.doctor", f"--task={task}", "--model=vit_micro_p2", "--global_batch_size=32", "--steps=1",
+                        *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"precision doctor: --task={task} with vit_micro_p2 on digits, 1 batch(es) of 32" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line and line.split()[0] in layers}
+    assert set(rows) == set(layers), out
+    for name, row in rows.items():
+        assert float(row[2]) > 0, f"{name} took no gradient: {row}"  # max |grad|
+
+
+def test_doctor_refuses_what_the_method_refuses(capsys):
+    assert doctor.main(["tfmp.doctor", "--task=mae", "--model=small_cnn", "--steps=1"]) == 2
+    assert "--task=mae needs a ViT encoder" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """`python -m tfmp.doctor --flagfile=experiments/X.cfg` — which precision, which float32 layers, which loss scale.
 
-Builds the configured model in float32, runs `--steps` batches of the configured data
-through it (forward and backward, no update), prints the per-layer report of
+Builds the configured model in float32 — the classifier, or with `--task=<an SSL method>` the method
+with its heads, decoder and targets — runs `--steps` batches of the configured data through it (forward
+and backward of its loss, no update), prints the per-layer report of
 `tfmp.diagnostics.precision_report`, and recommends: a precision for this hardware,
 float32 overrides (`--float32_layers`) for layers that would overflow in float16, and a
 loss-scale range. Takes the same flags as `tfmp.train` (unused ones are ignored).
@@ -79,9 +80,10 @@ def main(argv: list[str]) -> int:
     tf_environment.load_tensorflow(verbose=config.verbose)  # its start-up lines kept off the terminal
     import tensorflow as tf
 
-    from tfmp import data as tfmp_data, models, precision
+    from tfmp import data as tfmp_data, models, precision, registry
     from tfmp.diagnostics import precision_report
     from tfmp.runtime import Runtime
+    from tfmp.tasks import pretrain
     from tfmp.tasks.stage import build_encoder
 
     try:
@@ -89,15 +91,21 @@ def main(argv: list[str]) -> int:
         precision.set_policy("float32")  # measured in float32: what each low precision would do to these values
         runtime = Runtime.for_strategy(tf.distribute.get_strategy(), jit_compile="false",
                                        conv_weight_gradient=config.conv_weight_gradient)
-        model = models.build_classifier(build_encoder(config, runtime, data.image_shape), data.num_classes)
-    except ValueError as error:
+        batch = min(config.global_batch_size, len(data.train))
+        if config.task in registry.SSL_METHODS:  # the method's own step: views, heads or decoder, targets, its loss
+            pretrain.check_inputs(config, data)
+            model = pretrain.build_method(config, data, runtime, total_steps=config.epochs * (len(data.train) // batch))
+            what, batch_loss = f"--task={config.task} with {config.model}", model.batch_loss
+        else:
+            model = models.build_classifier(build_encoder(config, runtime, data.image_shape), data.num_classes)
+            what, batch_loss = f"{config.model} as a classifier", None
+    except ValueError as error:  # a UsageError too
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         return 2
-    batches = tfmp_data.classification_pipeline(data.train, min(config.global_batch_size, len(data.train)), training=True,
-                                                seed=config.seed)
-    report = precision_report(model, batches, steps=steps)
+    batches = tfmp_data.classification_pipeline(data.train, batch, training=True, seed=config.seed)
+    report = precision_report(model, batches, steps=steps, batch_loss=batch_loss)
     hardware_policy, reason = precision.resolve("auto")
-    print(f"precision doctor: {config.model} on {data.name}, {steps} batch(es) of {config.global_batch_size}, measured in float32\n")
+    print(f"precision doctor: {what} on {data.name}, {steps} batch(es) of {batch}, measured in float32\n")
     print(report.table())
     print("\nrecommendations:")
     for line in recommendations(report, hardware_policy, reason):

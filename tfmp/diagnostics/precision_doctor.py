@@ -103,7 +103,7 @@ class _Accumulator:
             self.counts[name]["flush"] += int(np.count_nonzero((magnitude > 0) & (magnitude < smallest)))
 
 
-def precision_report(model: keras.Model, data, steps: int = 2, loss_fn=None) -> PrecisionReport:
+def precision_report(model: keras.Model, data, steps: int = 2, loss_fn=None, batch_loss=None) -> PrecisionReport:
     """Runs `steps` batches of `data` through `model` in float32 and reports per layer.
 
     Args:
@@ -112,6 +112,8 @@ def precision_report(model: keras.Model, data, steps: int = 2, loss_fn=None) -> 
         data: an iterable of `(inputs, targets)` batches (e.g. a `tf.data.Dataset`).
         steps: batches to run.
         loss_fn: loss(targets, outputs); sparse categorical cross-entropy on logits by default.
+        batch_loss: instead of calling `model` and `loss_fn`, the loss of a batch's inputs computed by running `model`
+            as its training step does (an SSL method's `batch_loss`: its views, heads, decoder, targets).
 
     Returns:
         A `PrecisionReport`.
@@ -125,8 +127,7 @@ def precision_report(model: keras.Model, data, steps: int = 2, loss_fn=None) -> 
                 break
             captured.clear()
             with tf.GradientTape() as tape:
-                outputs = model(inputs, training=True)
-                loss = loss_fn(targets, outputs)
+                loss = batch_loss(inputs) if batch_loss else loss_fn(targets, model(inputs, training=True))
             gradients = tape.gradient(loss, [tensor for _, tensor in captured])
             for (name, activation), gradient in zip(captured, gradients):
                 accumulator = accumulators.setdefault(name, _Accumulator())

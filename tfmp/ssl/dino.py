@@ -243,6 +243,19 @@ class DINO(MomentumTwoViewModel):
         entropy = -tf.reduce_mean(tf.reduce_sum(probabilities * tf.math.log(probabilities + 1e-12), axis=-1))
         return loss, {"teacher_entropy": entropy, "teacher_temperature": temperature}
 
+    def student_features(self, global_crops: tf.Tensor, local_crops: tf.Tensor | None) -> tf.Tensor:
+        """The encoder's features of every crop, the global ones first: one call per crop size."""
+        features = self.encoder(global_crops, training=True)
+        if local_crops is None:
+            return features
+        return tf.concat([features, self.encoder(local_crops, training=True)], axis=0)
+
+    def batch_loss(self, images: tf.Tensor) -> tf.Tensor:
+        global_crops, local_crops = self.views(images)
+        batch = tf.shape(images)[0]
+        targets = self.target_outputs(global_crops[:batch], global_crops[batch:])
+        return self.ssl_loss(self.student_features(global_crops, local_crops), batch, targets)[0]
+
     def train_step(self, data):
         images, labels = (data[0], data[1]) if isinstance(data, (tuple, list)) else (data, None)
         labels = labels if self.probe is not None else None
@@ -251,9 +264,7 @@ class DINO(MomentumTwoViewModel):
         targets = self.target_outputs(global_crops[:batch], global_crops[batch:])
         variables = self.trainable_variables
         with tf.GradientTape() as tape:
-            features = self.encoder(global_crops, training=True)  # one call per crop size
-            if local_crops is not None:
-                features = tf.concat([features, self.encoder(local_crops, training=True)], axis=0)
+            features = self.student_features(global_crops, local_crops)
             loss = self._for_optimizer(self._tracked_loss(features, batch, targets, labels))
         gradients = tape.gradient(loss, variables)
         # The last layer is frozen at first (the paper: it stabilises the start); Keras still applies weight decay to it.

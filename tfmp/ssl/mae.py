@@ -186,13 +186,21 @@ class MAE(TwoViewModel):
         x = x + tf.constant(sine_cosine_positions(rows, columns, self.decoder_width), x.dtype)
         return self.decoder(x, training=training)
 
-    def _loss(self, view: tf.Tensor, order: tf.Tensor, labels) -> tf.Tensor:
-        """MAE's loss of a batch (and the probe's), this replica's share, metrics updated."""
+    def reconstruction_loss(self, view: tf.Tensor, order: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, int]:
+        """(MAE's loss of a view whose tokens are hidden by `order`; the encoded tokens; how many are visible)."""
         rows, columns = vit.grid_of(view, self.patch)
         keep = visible_count(rows * columns, self.mask_ratio)
         encoded = self.encode(view, order, keep)
         predictions = self.reconstruct(encoded, order, keep, rows, columns)
         loss = masked_patch_loss(predictions, pixel_targets(view, self.patch, self.norm_pixel_loss), hidden_mask(order, keep))
+        return loss, encoded, keep
+
+    def batch_loss(self, images: tf.Tensor) -> tf.Tensor:
+        return self.reconstruction_loss(*self.views(images))[0]
+
+    def _loss(self, view: tf.Tensor, order: tf.Tensor, labels) -> tf.Tensor:
+        """MAE's loss of a batch (and the probe's), this replica's share, metrics updated."""
+        loss, encoded, keep = self.reconstruction_loss(view, order)
         self.loss_tracker.update_state(loss)
         if labels is None:
             return loss

@@ -115,6 +115,14 @@ class TwoViewModel(keras.Model):
     def after_update(self) -> None:
         """Runs after the optimizer step (e.g. the momentum target's update)."""
 
+    def batch_loss(self, images: tf.Tensor) -> tf.Tensor:
+        """The method's loss of one batch at the current step (its views drawn, its targets computed), float32, the
+        probe's excluded, nothing updated: what `train_step` differentiates (the precision doctor measures it)."""
+        first, second = self.views(images)
+        targets = self.target_outputs(first, second)
+        features = self.encoder(tf.concat([first, second], axis=0), training=True)
+        return self.ssl_loss(features, tf.shape(first)[0], targets)[0]
+
     # ------------------------------------------------------------------ shared
 
     def compile(self, optimizer=None, *, jit_compile="auto", **kwargs):
