@@ -129,9 +129,34 @@ def test_two_replicas_train_and_the_step_compiles_with_xla():
     assert np.isfinite(compiled.fit(images, labels, batch_size=32, epochs=1, verbose=0).history["loss"]).all()
 
 
+# 2 replicas and the padded batch under -m slow: ~25 s each.
+@pytest.mark.parametrize("batch, replicas", [(32, 1), pytest.param(32, 2, marks=pytest.mark.slow),
+                                             pytest.param(30, 1, marks=pytest.mark.slow)])
+def test_micro_batches_give_the_one_batch_step(batch, replicas):
+    """--gradient_accumulation_steps=2 (and 4): each micro-batch takes its images' global and local crops and the
+    teacher's outputs for them; the step equals the one-batch step, on one device and on 2 replicas. 30 images in 4
+    micro-batches are padded to 32 (each crop with copies of its last row, which then count twice): that step is
+    checked to run and stay finite."""
+    digits_images = tf.random.stateless_uniform((batch, 8, 8, 1), seed=[5, 6])
+    labels = tf.range(batch) % 10
+    strategy = distribute.get_strategy("mirrored") if replicas == 2 else tf.distribute.get_strategy()
+    after = {}
+    for steps in ((1, 2) if batch == 32 else (4,)):
+        model = _dino(strategy, gradient_accumulation_steps=steps, freeze_last_layer_epochs=0.0)
+        with strategy.scope():
+            model.compile(optimizer=keras.optimizers.SGD(1.0))
+        model.fit(digits_images, labels, batch_size=batch, shuffle=False, epochs=1, verbose=0)
+        after[steps] = model
+    if batch == 30:
+        assert all(np.isfinite(weight.numpy()).all() for weight in after[4].weights)
+        return
+    one, two = after[1], after[2]
+    for a, b in zip(one.trainable_weights, two.trainable_weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-5, err_msg=a.path)
+    np.testing.assert_allclose(two.center.numpy(), one.center.numpy(), rtol=1e-6)  # from the whole batch's teacher
+
+
 def test_a_run_dino_cannot_take_is_refused_before_it_starts():
-    with pytest.raises(UsageError, match="--task=dino takes no --gradient_accumulation_steps > 1"):
-        dino.DINO.check_inputs(Config(task="dino", gradient_accumulation_steps=2), (8, 8, 1))
     with pytest.raises(UsageError, match=r"^--task=dino's local crops would be 3x3 px: model vit_micro_p2 cuts 2x2 patches: the "
                                          r"image size must be a multiple of 2, got 3x3; set --local_crop_size, --local_crops=0 or "
                                          r"a larger --image_size$"):

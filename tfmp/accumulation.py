@@ -86,8 +86,13 @@ def micro_batches(tree, steps: int):
 def two_view_micro_batches(tensor: tf.Tensor, steps: int) -> tf.Tensor:
     """`[first view; second view]` of a batch, `[2 * batch, ...]`, as `[steps, 2 * batch / steps, ...]` where micro-batch i
     is `[first view of its examples; second view of its examples]`: the layout a two-view loss reads."""
+    return view_micro_batches(tensor, steps, views=2)
+
+
+def view_micro_batches(tensor: tf.Tensor, steps: int, views: int) -> tf.Tensor:
+    """`two_view_micro_batches` for `views` views of each example, `[view 1; view 2; ...]` (DINO's crops)."""
     rest = tf.shape(tensor)[1:]
-    by_view = tf.reshape(tensor, tf.concat([[2, steps, -1], rest], axis=0))  # [view, micro-batch, example, ...]
+    by_view = tf.reshape(tensor, tf.concat([[views, steps, -1], rest], axis=0))  # [view, micro-batch, example, ...]
     by_micro_batch = tf.transpose(by_view, tf.concat([[1, 0], tf.range(2, tf.rank(by_view))], axis=0))
     return tf.reshape(by_micro_batch, tf.concat([[steps, -1], rest], axis=0))
 

@@ -20,7 +20,8 @@ times unit columns). The paper clips each parameter's gradient to norm 3 (`--cli
 the replicas' sum).
 
 Each replica draws its crops from its own stream (`tfmp.data.augment.step_seed`: run seed, step, replica).
-Not with `--gradient_accumulation_steps` > 1 (refused in one line).
+With `--gradient_accumulation_steps` > 1 the student runs on micro-batches of the images, each with all of its crops
+(the loss is a mean over examples); the teacher and the centre see the whole batch.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from tfmp import registry
+from tfmp import accumulation, registry
 from tfmp.data import augment
 from tfmp.models import vit
 from tfmp.ssl.momentum import MomentumTwoViewModel
@@ -147,8 +148,6 @@ class DINO(MomentumTwoViewModel):
                  target_momentum: float = 0.996, norm=None, **kwargs):
         del norm  # the DINO head has no BatchNorm
         super().__init__(encoder, target_momentum=target_momentum, **kwargs)
-        if self.gradient_accumulation_steps > 1:
-            raise ValueError("dino takes no --gradient_accumulation_steps > 1 yet: use a smaller batch or more replicas")
         hidden = projection_hidden_dim or self.feature_dim
         self.projector = dino_head(self.feature_dim, hidden, projection_dim, prototypes)
         self.make_target()
@@ -176,9 +175,6 @@ class DINO(MomentumTwoViewModel):
         from tfmp import models
         from tfmp.config import UsageError
 
-        if config.gradient_accumulation_steps > 1:
-            raise UsageError("--task=dino takes no --gradient_accumulation_steps > 1 yet; use a smaller "
-                             "--global_batch_size or more replicas")
         if config.local_crops:
             patch = getattr(registry.ENCODERS.load(config.model), "patch_size", 1)
             side = local_crop_side(config.local_crop_size, image_shape[0], patch)
@@ -263,19 +259,50 @@ class DINO(MomentumTwoViewModel):
         batch = tf.shape(images)[0]
         targets = self.target_outputs(global_crops[:batch], global_crops[batch:])
         variables = self.trainable_variables
-        with tf.GradientTape() as tape:
-            features = self.student_features(global_crops, local_crops)
-            loss = self._for_optimizer(self._tracked_loss(features, batch, targets, labels))
-        gradients = tape.gradient(loss, variables)
+        steps = self.gradient_accumulation_steps
+        owner = accumulation.gradient_owner(self.optimizer, steps, variables)  # zero2: this replica's chunks summed
+        if steps == 1:
+            with tf.GradientTape() as tape:
+                features = self.student_features(global_crops, local_crops)
+                loss = self._for_optimizer(self._tracked_loss(features, batch, targets, labels))
+            gradients = tape.gradient(loss, variables)
+        else:
+            gradients = self._accumulated_gradients(global_crops, local_crops, batch, targets, labels, variables, owner)
         # The last layer is frozen at first (the paper: it stabilises the start); Keras still applies weight decay to it.
         open_ = tf.cast(self.optimizer.iterations >= self.freeze_last_layer_steps, tf.float32)
         last = self.last_layer()
         gradients = [gradient * open_ if variable is last and gradient is not None else gradient
                      for gradient, variable in zip(gradients, variables)]
-        self.optimizer.apply(gradients, variables)
+        accumulation.apply_gradients(self.optimizer, gradients, variables, owner)
         self.update_center(targets[0])
         self.after_update()
         return {metric.name: metric.result() for metric in self.metrics}
+
+    def _accumulated_gradients(self, global_crops, local_crops, batch, targets, labels, variables, owner) -> list:
+        """The step's gradient over `gradient_accumulation_steps` micro-batches of the images, each with every one of
+        their crops and the teacher's outputs for them (DINO's loss is a mean over examples: the micro-batches' losses
+        sum to the batch's). A batch they do not divide is padded, each crop with copies of its last row."""
+        steps = self.gradient_accumulation_steps
+        rows = accumulation.padded_rows(batch, steps)
+
+        def micro(tensor, crops):  # [crops * batch, ...] -> [steps, crops * rows / steps, ...], crop after crop
+            padded = tf.concat([accumulation.pad_rows(tensor[crop * batch:(crop + 1) * batch], rows) for crop in range(crops)], 0)
+            return accumulation.view_micro_batches(padded, steps, crops)
+
+        teacher, temperature = targets
+        micro_global, micro_teacher = micro(global_crops, GLOBAL_CROPS), micro(teacher, GLOBAL_CROPS)
+        micro_local = None if local_crops is None else micro(local_crops, self.local_crops)
+        micro_labels = None if labels is None else accumulation.micro_batches(accumulation.pad_rows(labels, rows, value=-1), steps)
+
+        def gradients_of(index):
+            with tf.GradientTape() as tape:
+                features = self.student_features(micro_global[index], None if micro_local is None else micro_local[index])
+                loss = self._tracked_loss(features, rows // steps, (micro_teacher[index], temperature),
+                                          None if micro_labels is None else micro_labels[index])
+                loss = self._for_optimizer(loss / steps)
+            return tape.gradient(loss, variables)
+
+        return accumulation.sum_gradients(gradients_of, steps, variables, owner)
 
     def update_center(self, teacher: tf.Tensor) -> None:
         """`c <- m c + (1 - m) mean(teacher logits)`, the mean over every replica's global crops."""
