@@ -275,7 +275,8 @@ class Config:
     clipnorm: float = _field(0.0, "Clip each variable's gradient to this norm (Keras' name; DINO's clip_grad), after the "
                                   "replicas' sum and unscaled, as --global_clipnorm (0: off; not with it, nor with "
                                   "--sharding).", at_least_zero)
-    layer_decay: float = _field(1.0, "finetune (or --compare_finetune) on a ViT: layer-wise learning-rate decay (BEiT/MAE), block i of d learning at "
+    layer_decay: float = _field(1.0, "finetune (or --compare_finetune) on a ViT: layer-wise learning-rate decay (BEiT/MAE), "
+                                     "block i of d learning at "
                                      "decay^(d - i), the patch embedding at decay^(d + 1), the head at 1 (1: off).", probability)
     ema_momentum: float = _field(0.0, "Keep an exponential moving average of the weights with this momentum (Keras' name, "
                                       "e.g. 0.999; 0: off): evaluated and exported beside the trained weights.", momentum)
@@ -308,11 +309,13 @@ class Config:
     # Self-supervised pretraining (--task=<an SSL method>) and its evaluation.
     pretrain_examples: int = _field(0, "Pretrain on a seeded sample of this many images (0: all; for data-size sweeps).", at_least_zero)
     temperature: float = _method_field("simclr, mocov3", 0.2, "softmax temperature (NT-Xent, InfoNCE).", above_zero)
-    projection_dim: int = _method_field(TWO_VIEW_HEADS, 128, "output size of the projection head (and of the byol/mocov3 predictor; dino: its bottleneck).", positive_integer)
+    projection_dim: int = _method_field(TWO_VIEW_HEADS, 128, "output size of the projection head (and of the byol/mocov3 "
+                                                             "predictor; dino: its bottleneck).", positive_integer)
     projection_hidden_dim: int = _method_field(TWO_VIEW_HEADS, 0, "hidden size of the projection head and predictor (0: the "
                                                                   "encoder's feature size).",
                                         at_least_zero)
-    target_momentum: float = _method_field("byol, mocov3, dino", 0.99, "momentum of the EMA target at step 0 (rises to 1 on a cosine).", probability)
+    target_momentum: float = _method_field("byol, mocov3, dino", 0.99, "momentum of the EMA target at step 0 (rises to 1 "
+                                                                       "on a cosine).", probability)
     invariance_weight: float = _method_field("vicreg", 25.0, "weight of the invariance (MSE) term.", at_least_zero)
     variance_weight: float = _method_field("vicreg", 25.0, "weight of the variance (hinge on standard deviation) term.", at_least_zero)
     covariance_weight: float = _method_field("vicreg", 1.0, "weight of the covariance term.", at_least_zero)
