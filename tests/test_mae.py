@@ -132,8 +132,9 @@ def test_two_micro_batches_give_the_one_batch_gradient():
         np.testing.assert_allclose(two, one, rtol=1e-4, atol=1e-6, err_msg=weight.path)
 
 
-# float32 on one device: the XLA test below.
-@pytest.mark.parametrize("setup", ["bf16", "fp16", "two_replicas"])
+# float32 on one device: the XLA test below; 2 replicas (16 s) under -m slow: the one-device-equals-two-replicas test
+# above checks their loss and gradients in the default suite.
+@pytest.mark.parametrize("setup", ["bf16", "fp16", pytest.param("two_replicas", marks=pytest.mark.slow)])
 def test_a_tiny_vit_trains(setup):
     if setup in ("bf16", "fp16"):
         precision.set_policy({"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}[setup])
