@@ -391,7 +391,7 @@ def test_the_memory_estimate_is_near_the_measured_peak_with_and_without_remat():
     assert measured["blocks"] < 0.7 * measured["none"]
 
 
-@pytest.mark.parametrize("preset, task", [("cifar10_mocov3_vit", "mocov3"), ("cifar10_mae_vit", "mae")])
+@pytest.mark.parametrize("preset, task", [("cifar10_mocov3_vit", "mocov3"), ("cifar10_mae_vit", "mae"), ("cifar10_dino_vit", "dino")])
 def test_the_cifar10_vit_presets_are_valid_configs(preset, task):
     """The GPU/TPU presets cannot run here (CIFAR-10 is not downloadable offline); their flags must still parse and
     pass every check the CLI makes before touching the data, the method's own included."""
