@@ -130,3 +130,25 @@ def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path, stage)
     assert _metrics(workdir)["resumed_from_step"] >= reached > 0
     assert checkpoint_steps(workdir)[-1] >= 6 * (1437 // 128)
     assert _metrics(workdir)["eval_accuracy"] >= 0.9
+
+
+@pytest.mark.slow  # ~45 s: two workers stopped, then relaunched to the end
+def test_sigterm_to_the_launcher_stops_every_worker_and_the_relaunch_resumes(tmp_path):
+    """A scheduler stops the launcher with SIGTERM: it passes the signal on, waits for its workers (none outlives it)
+    and exits 143; launching again resumes from the chief's last checkpoint."""
+    workdir = str(tmp_path / "run")
+    settings = [*DIGITS, "--checkpoint_every_steps=5"]
+    command = [sys.executable, "-m", "tfmp.launch", "--num_workers=2", *settings, f"--workdir={workdir}"]
+    launcher = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    reached = wait_for_checkpoint(launcher, workdir, at_least=10)
+    workers = [_worker_pid(workdir, index) for index in (0, 1)]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 128 + signal.SIGTERM
+    for pid in workers:  # reaped by the launcher: gone, not orphaned and still training
+        assert not os.path.exists(f"/proc/{pid}"), pid
+    assert not os.path.exists(os.path.join(workdir, "metrics.json"))
+
+    result = _launch("--num_workers=2", *settings, f"--workdir={workdir}")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert _metrics(workdir)["resumed_from_step"] >= reached > 0

@@ -14,7 +14,9 @@ would across machines:
 
 Each worker's output is streamed with a `[worker i]` prefix. If a worker exits with
 an error, the others are stopped (they would otherwise wait for it forever), and the
-launcher exits with the worst exit code. At the end it prints the largest worker's peak
+launcher exits with the worst exit code. SIGTERM or Ctrl-C to the launcher (a scheduler's
+stop) is passed to every worker as SIGTERM and the launcher waits for them, then exits with
+143 or 130: no worker outlives it; launching again resumes from the chief's last checkpoint. At the end it prints the largest worker's peak
 resident memory (`ru_maxrss` of the reaped workers): with one process per worker, that is
 the most memory any one replica's device needed. Only loopback addresses are ever used.
 """
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -81,6 +84,13 @@ def launch(num_workers: int, train_args: list[str], poll_seconds: float = 0.2) -
         processes.append(process)
 
     stopped = set()  # workers the launcher ended: their codes say nothing about the run
+    signalled = None  # the signal that stopped the launcher, if one did
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    # Without a handler, SIGTERM would end the launcher alone and leave its workers training, orphaned.
+    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
     try:
         # Poll every worker each round: `any(p.poll() is None ...)` would stop at the first running one and
         # never notice a later worker that died, leaving the others blocked in a collective (seen in a test run).
@@ -92,9 +102,14 @@ def launch(num_workers: int, train_args: list[str], poll_seconds: float = 0.2) -
                         stopped.add(index)
                 break
             time.sleep(poll_seconds)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stopped) as stop_signal:
+        signalled = stop_signal.signum if isinstance(stop_signal, _Stopped) else signal.SIGINT
         for process in processes:
-            process.terminate()
+            if process.poll() is None:
+                process.terminate()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     codes = []
     for process in processes:
         try:
@@ -104,8 +119,18 @@ def launch(num_workers: int, train_args: list[str], poll_seconds: float = 0.2) -
             codes.append(exit_code(process.wait()))
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
     print(f"tfmp.launch: the largest worker's peak RSS: {peak / 2**30:.2f} GiB ({peak} bytes)", flush=True)
+    if signalled is not None:
+        return 128 + signalled  # as a shell reports a process the signal ended
     failures = [code for index, code in enumerate(codes) if code and index not in stopped]
     return max(failures or codes)
+
+
+class _Stopped(Exception):
+    """SIGTERM reached the launcher."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def main(argv: list[str]) -> int:
