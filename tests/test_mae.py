@@ -50,7 +50,7 @@ def test_the_loss_matches_numpy(normalize):
     order = np.stack([rng.permutation(24) for _ in range(3)]).astype(np.int32)
     keep = mae.visible_count(24, 0.75)
     loss = mae.masked_patch_loss(tf.constant(predictions), mae.pixel_targets(tf.constant(images), 2, normalize),
-                                 mae.hidden_mask(tf.constant(order), keep))
+                                 mae.hidden_mask(mae.token_places(tf.constant(order)), keep))
     expected = _numpy_loss(predictions.astype(np.float64), images.astype(np.float64), order, keep, 2, normalize)
     assert keep == 6 and float(loss) == pytest.approx(expected, rel=1e-5)
 

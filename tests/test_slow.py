@@ -27,7 +27,7 @@ def test_each_ssl_method_preset_beats_the_supervised_baseline(run_cli, tmp_path,
     with open(os.path.join(workdir, "metrics.json"), encoding="utf-8") as file:
         metrics = json.load(file)
     assert metrics["linear_probe_accuracy"] > metrics["supervised_baseline_accuracy"]
-    if "finetune_accuracy" in metrics:
+    if preset == "digits_mae":  # evaluated by fine-tuning too (--compare_finetune in the preset)
         assert metrics["finetune_accuracy"] > metrics["supervised_baseline_accuracy"]
     assert len(metrics["linear_probe_accuracy_per_draw"]) == 5
 
@@ -44,9 +44,7 @@ def test_digits_simclr_preset_beats_the_supervised_baseline(run_cli, tmp_path, p
     assert result.returncode == 0, result.stderr[-2000:]
     with open(os.path.join(workdir, "metrics.json"), encoding="utf-8") as file:
         metrics = json.load(file)
-    assert metrics["linear_probe_accuracy"] > metrics["supervised_baseline_accuracy"]
-    if "finetune_accuracy" in metrics:
-        assert metrics["finetune_accuracy"] > metrics["supervised_baseline_accuracy"] + 0.03
+    assert metrics["linear_probe_accuracy"] > metrics["supervised_baseline_accuracy"] + 0.03
     assert len(metrics["linear_probe_accuracy_per_draw"]) == 5
 
 

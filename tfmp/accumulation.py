@@ -73,6 +73,12 @@ def pad_rows(tensor, rows, value=None):
     return tf.gather(tensor, tf.minimum(tf.range(rows), batch - 1))
 
 
+def pad_view_rows(tensor, views: int, batch, rows):
+    """`[view 1; view 2; ...]` of `batch` examples each, each view padded to `rows` (copies of its last row): a batch the
+    micro-batches do not divide, as `view_micro_batches` cuts it."""
+    return tf.concat([pad_rows(tensor[view * batch:(view + 1) * batch], rows) for view in range(views)], axis=0)
+
+
 def micro_batches(tree, steps: int):
     """Every tensor of `tree`, `[batch, ...]`, as `[steps, batch / steps, ...]` (micro-batch i is row i; None stays None)."""
     def cut(tensor):

@@ -16,9 +16,10 @@ Each worker's output is streamed with a `[worker i]` prefix. If a worker exits w
 an error, the others are stopped (they would otherwise wait for it forever), and the
 launcher exits with the worst exit code. SIGTERM or Ctrl-C to the launcher (a scheduler's
 stop) is passed to every worker as SIGTERM and the launcher waits for them, then exits with
-143 or 130: no worker outlives it; launching again resumes from the chief's last checkpoint. At the end it prints the largest worker's peak
-resident memory (`ru_maxrss` of the reaped workers): with one process per worker, that is
-the most memory any one replica's device needed. Only loopback addresses are ever used.
+143 or 130: no worker outlives it; launching again resumes from the chief's last checkpoint.
+At the end it prints the largest worker's peak resident memory (`ru_maxrss` of the reaped
+workers): with one process per worker, that is the most memory any one replica's device needed.
+Only loopback addresses are ever used.
 """
 
 from __future__ import annotations

@@ -176,8 +176,7 @@ class DINO(MomentumTwoViewModel):
         from tfmp.config import UsageError
 
         if config.local_crops:
-            patch = getattr(registry.ENCODERS.load(config.model), "patch_size", 1)
-            side = local_crop_side(config.local_crop_size, image_shape[0], patch)
+            side = cls._run_local_side(config, image_shape)
             try:
                 models.check_image_size(config.model, (side, side, image_shape[2]))
             except ValueError as error:
@@ -190,8 +189,12 @@ class DINO(MomentumTwoViewModel):
         """The 2 global crops and each local one by its share of the pixels (the teacher's forward pass keeps nothing)."""
         if not config.local_crops:
             return 2.0
-        side = local_crop_side(config.local_crop_size, image_shape[0], getattr(registry.ENCODERS.load(config.model), "patch_size", 1))
-        return 2.0 + config.local_crops * (side / image_shape[0]) ** 2
+        return 2.0 + config.local_crops * (cls._run_local_side(config, image_shape) / image_shape[0]) ** 2
+
+    @staticmethod
+    def _run_local_side(config, image_shape: tuple[int, int, int]) -> int:
+        """The local crops' side a run's config gives (the patch of `--model`, 1 for a CNN)."""
+        return local_crop_side(config.local_crop_size, image_shape[0], getattr(registry.ENCODERS.load(config.model), "patch_size", 1))
 
     # ------------------------------------------------------------------ crops
 
@@ -253,8 +256,7 @@ class DINO(MomentumTwoViewModel):
         return self.ssl_loss(self.student_features(global_crops, local_crops), batch, targets)[0]
 
     def train_step(self, data):
-        images, labels = (data[0], data[1]) if isinstance(data, (tuple, list)) else (data, None)
-        labels = labels if self.probe is not None else None
+        images, labels = self._images_and_labels(data)
         global_crops, local_crops = self.views(images)
         batch = tf.shape(images)[0]
         targets = self.target_outputs(global_crops[:batch], global_crops[batch:])
@@ -286,8 +288,7 @@ class DINO(MomentumTwoViewModel):
         rows = accumulation.padded_rows(batch, steps)
 
         def micro(tensor, crops):  # [crops * batch, ...] -> [steps, crops * rows / steps, ...], crop after crop
-            padded = tf.concat([accumulation.pad_rows(tensor[crop * batch:(crop + 1) * batch], rows) for crop in range(crops)], 0)
-            return accumulation.view_micro_batches(padded, steps, crops)
+            return accumulation.view_micro_batches(accumulation.pad_view_rows(tensor, crops, batch, rows), steps, crops)
 
         teacher, temperature = targets
         micro_global, micro_teacher = micro(global_crops, GLOBAL_CROPS), micro(teacher, GLOBAL_CROPS)

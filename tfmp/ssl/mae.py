@@ -41,10 +41,14 @@ def masking_order(seed: tf.Tensor, batch, tokens: int) -> tf.Tensor:
     return tf.argsort(noise, axis=1)
 
 
-def hidden_mask(order: tf.Tensor, keep: int) -> tf.Tensor:
-    """`[batch, tokens]` float32, 1 where a token is hidden (its place in `order` is `keep` or later)."""
-    place = tf.argsort(order, axis=1)  # the inverse permutation: where each token falls in the order
-    return tf.cast(place >= keep, tf.float32)
+def token_places(order: tf.Tensor) -> tf.Tensor:
+    """`[batch, tokens]` int32: where each token falls in its example's `order` (the inverse permutation)."""
+    return tf.argsort(order, axis=1)
+
+
+def hidden_mask(places: tf.Tensor, keep: int) -> tf.Tensor:
+    """`[batch, tokens]` float32, 1 where a token is hidden: its place (`token_places`) is `keep` or later."""
+    return tf.cast(places >= keep, tf.float32)
 
 
 def pixel_targets(images: tf.Tensor, patch: int, normalize: bool) -> tf.Tensor:
@@ -168,20 +172,21 @@ class MAE(TwoViewModel):
         tokens = self.embedding(view)
         if self.visible_only:
             return self.token_encoder(tf.gather(tokens, order[:, :keep], batch_dims=1), training=training)
-        hidden = hidden_mask(order, keep)[..., None]
+        hidden = hidden_mask(token_places(order), keep)[..., None]
         tokens = tokens * tf.cast(1.0 - hidden, tokens.dtype) + tf.cast(hidden * self.encoder_mask_token, tokens.dtype)
         return self.token_encoder(tokens, training=training)
 
-    def reconstruct(self, encoded: tf.Tensor, order: tf.Tensor, keep: int, rows: int, columns: int,
+    def reconstruct(self, encoded: tf.Tensor, places: tf.Tensor, keep: int, rows: int, columns: int,
                     training: bool = True) -> tf.Tensor:
-        """The decoder's float32 pixel predictions for every patch, `[batch, tokens, pixels]`, in image order."""
+        """The decoder's float32 pixel predictions for every patch, `[batch, tokens, pixels]`, in image order
+        (`places`: `token_places` of the masking order)."""
         x = self.decoder_embed(encoded)
         if self.visible_only:  # the mask token in every hidden place, then the tokens back in image order
             batch = tf.shape(x)[0]
             masks = tf.broadcast_to(tf.cast(self.mask_token, x.dtype), tf.stack([batch, rows * columns - keep, self.decoder_width]))
-            x = tf.gather(tf.concat([x, masks], axis=1), tf.argsort(order, axis=1), batch_dims=1)
+            x = tf.gather(tf.concat([x, masks], axis=1), places, batch_dims=1)
         else:
-            hidden = tf.cast(hidden_mask(order, keep)[..., None], x.dtype)
+            hidden = tf.cast(hidden_mask(places, keep)[..., None], x.dtype)
             x = x * (1 - hidden) + hidden * tf.cast(self.mask_token, x.dtype)
         x = x + tf.constant(sine_cosine_positions(rows, columns, self.decoder_width), x.dtype)
         return self.decoder(x, training=training)
@@ -190,9 +195,10 @@ class MAE(TwoViewModel):
         """(MAE's loss of a view whose tokens are hidden by `order`; the encoded tokens; how many are visible)."""
         rows, columns = vit.grid_of(view, self.patch)
         keep = visible_count(rows * columns, self.mask_ratio)
+        places = token_places(order)  # once a step: the decoder's unshuffle and the loss's mask both read it
         encoded = self.encode(view, order, keep)
-        predictions = self.reconstruct(encoded, order, keep, rows, columns)
-        loss = masked_patch_loss(predictions, pixel_targets(view, self.patch, self.norm_pixel_loss), hidden_mask(order, keep))
+        predictions = self.reconstruct(encoded, places, keep, rows, columns)
+        loss = masked_patch_loss(predictions, pixel_targets(view, self.patch, self.norm_pixel_loss), hidden_mask(places, keep))
         return loss, encoded, keep
 
     def batch_loss(self, images: tf.Tensor) -> tf.Tensor:
@@ -211,8 +217,7 @@ class MAE(TwoViewModel):
         return loss + probe_loss
 
     def train_step(self, data):
-        images, labels = (data[0], data[1]) if isinstance(data, (tuple, list)) else (data, None)
-        labels = labels if self.probe is not None else None
+        images, labels = self._images_and_labels(data)
         view, order = self.views(images)
         variables = self.trainable_variables
         steps = self.gradient_accumulation_steps

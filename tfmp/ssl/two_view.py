@@ -163,21 +163,25 @@ class TwoViewModel(keras.Model):
         per_example = keras.losses.sparse_categorical_crossentropy(tf.maximum(labels, 0), logits, from_logits=True)
         return tf.reduce_sum(per_example * weights) / tf.maximum(tf.reduce_sum(weights), 1.0), logits, weights
 
-    def train_step(self, data):
+    def _images_and_labels(self, data) -> tuple[tf.Tensor, tf.Tensor | None]:
+        """A `fit()` batch's images, and its labels where the online probe reads them (None otherwise)."""
         images, labels = (data[0], data[1]) if isinstance(data, (tuple, list)) else (data, None)
+        return images, labels if self.probe is not None else None
+
+    def train_step(self, data):
+        images, labels = self._images_and_labels(data)
         first, second = self.views(images)
         batch = tf.shape(first)[0]
         targets = self.target_outputs(first, second)
-        labels = labels if self.probe is not None else None
         views = tf.concat([first, second], axis=0)
         variables = self.trainable_variables
         steps = self.gradient_accumulation_steps
         if steps > 1:  # a batch the micro-batches do not divide (an epoch's last, from arrays) becomes equal ones
             rows = accumulation.padded_rows(batch, steps)
-            views = self._padded_views(views, batch, rows)
+            views = accumulation.pad_view_rows(views, 2, batch, rows)
             if not self.batch_coupled_loss:  # gradient caching computes the loss on the real rows only
                 targets = None if targets is None else tf.nest.map_structure(
-                    lambda tensor: self._padded_views(tensor, batch, rows), targets)
+                    lambda tensor: accumulation.pad_view_rows(tensor, 2, batch, rows), targets)
                 labels = None if labels is None else accumulation.pad_rows(labels, rows, value=-1)  # -1: unlabeled
         owner = accumulation.gradient_owner(self.optimizer, steps, variables)  # zero2: gradients summed as this replica's chunks
         if self.gradient_accumulation_steps > 1 and self.batch_coupled_loss:
@@ -187,11 +191,6 @@ class TwoViewModel(keras.Model):
         accumulation.apply_gradients(self.optimizer, gradients, variables, owner)
         self.after_update()
         return {metric.name: metric.result() for metric in self.metrics}
-
-    @staticmethod
-    def _padded_views(tensor, batch, rows):
-        """`[first; second]` rows of `batch` examples each, each half padded to `rows` (copies of its last row)."""
-        return tf.concat([accumulation.pad_rows(tensor[:batch], rows), accumulation.pad_rows(tensor[batch:], rows)], axis=0)
 
     def _tracked_loss(self, features, batch, targets, labels) -> tf.Tensor:
         """The method's loss plus the probe's on `features` (`[first; second]` of `batch` images), its metrics updated."""

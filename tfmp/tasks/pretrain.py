@@ -151,41 +151,47 @@ def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: 
     metrics.update(pretrain_seconds=round(pretrained - started, 2), evaluation_seconds=round(time.perf_counter() - pretrained, 2))
     next_phase = 2
     if config.compare_finetune:
-        finetune_started = time.perf_counter()
-        per_draw = []
-        compiled = compilation.CompiledOnce()  # one traced training step for all the draws, as the baseline's
-        for draw in range(config.label_draws):
-            progress.start(next_phase + draw)
-            distribute.set_seed(config.seed + draw)  # the head's initialisation, as the baseline's
-            with runtime.strategy.scope():  # a fresh copy of the pretrained encoder per draw, tfmp's layers
-                copy = export.adopt(export.portable(encoder), conv_weight_gradient=runtime.conv_weight_gradient)
-            finetuned = fit_classifier(finetune_config(config), data, runtime, directory.stage("finetune", f"draw{draw}"),
-                                       indices=labeled_indices(config, data, draw), encoder=copy,
-                                       validate_every=config.baseline_epochs, quiet=True, compiled=compiled)
-            per_draw.append({"finetune_accuracy": finetuned["eval_accuracy"]})
-        metrics.update(mean_over_draws(per_draw))
-        metrics["finetune_seconds"] = round(time.perf_counter() - finetune_started, 2)
+        def pretrained_copy():  # a fresh copy of the pretrained encoder per draw, with tfmp's layers
+            with runtime.strategy.scope():
+                return export.adopt(export.portable(encoder), conv_weight_gradient=runtime.conv_weight_gradient)
+
+        metrics.update(train_per_draw(finetune_config(config), data, runtime, directory, progress, next_phase, "finetune",
+                                      encoder=pretrained_copy))
         next_phase += config.label_draws
     if config.compare_supervised:
-        baseline_started = time.perf_counter()
-        per_draw = []
-        compiled = compilation.CompiledOnce()  # one traced training step for all the draws
-        for draw in range(config.label_draws):
-            progress.start(next_phase + draw)
-            # Seeded per draw: the baseline's initialisation must not depend on how much randomness the
-            # method (or a resumption) used before it, so every method's run compares with the same baseline.
-            distribute.set_seed(config.seed + draw)
-            baseline = fit_classifier(baseline_config(config), data, runtime, directory.stage("baseline", f"draw{draw}"),
-                                      indices=labeled_indices(config, data, draw), validate_every=config.baseline_epochs,
-                                      quiet=True, compiled=compiled)
-            per_draw.append({"supervised_baseline_accuracy": baseline["eval_accuracy"]})
-        metrics.update(mean_over_draws(per_draw))
-        metrics["baseline_seconds"] = round(time.perf_counter() - baseline_started, 2)
+        metrics.update(train_per_draw(baseline_config(config), data, runtime, directory, progress, next_phase, "baseline"))
     verdict = guard.verdict(metrics, plateau)
     for warning in verdict:
         logger.warning("small-data guard: %s", warning)
     metrics["small_data_warnings"] = warnings + verdict
     return metrics
+
+
+# What each per-draw stage reports, by its stage directory's name.
+DRAW_STAGES = {"finetune": ("finetune_accuracy", "finetune_seconds"),
+               "baseline": ("supervised_baseline_accuracy", "baseline_seconds")}
+
+
+def train_per_draw(recipe: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: RunDirectory, progress: Phases,
+                   first_phase: int, stage: str, encoder=None) -> dict:
+    """A classifier trained on each label draw's labels with `recipe` — from scratch (the supervised baseline) or from
+    `encoder()`'s copy of the pretrained encoder (`--compare_finetune`) — in one compiled model traced once; the test
+    accuracy's mean over the draws (`DRAW_STAGES`) and the stage's seconds.
+
+    Each draw is seeded alone: a classifier's initialisation must not depend on how much randomness the method (or a
+    resumption) used before it, so every method's run compares with the same baseline."""
+    started = time.perf_counter()
+    accuracy, seconds = DRAW_STAGES[stage]
+    compiled = compilation.CompiledOnce()
+    per_draw = []
+    for draw in range(recipe.label_draws):
+        progress.start(first_phase + draw)
+        distribute.set_seed(recipe.seed + draw)
+        trained = fit_classifier(recipe, data, runtime, directory.stage(stage, f"draw{draw}"),
+                                 indices=labeled_indices(recipe, data, draw), encoder=encoder() if encoder else None,
+                                 validate_every=recipe.epochs, quiet=True, compiled=compiled)
+        per_draw.append({accuracy: trained["eval_accuracy"]})
+    return {**mean_over_draws(per_draw), seconds: round(time.perf_counter() - started, 2)}
 
 
 def views(config: Config, image_shape: tuple[int, int, int]) -> float:
