@@ -132,7 +132,7 @@ def test_sharding_is_one_setting_and_its_previous_name_still_works(tmp_path, cap
     assert validate(Config(optimizer_sharding="zero1", sharding="zero1")).sharding == "zero1"
     with pytest.raises(UsageError, match=r"^--optimizer_sharding=none and --sharding=zero1 disagree; give --sharding only$"):
         validate(Config(optimizer_sharding="none", sharding="zero1"))
-    with pytest.raises(UsageError, match=r"^unknown sharding 'zero9'; valid: none, zero1, zero2$"):
+    with pytest.raises(UsageError, match=r"^unknown sharding 'zero9'; valid: none, zero1, zero2, zero3$"):
         validate(Config(sharding="zero9"))
     with pytest.raises(UsageError, match=r"^unknown optimizer_sharding 'zero2'; valid: none, zero1$"):
         validate(Config(optimizer_sharding="zero2"))

@@ -26,6 +26,17 @@ def _measure(overrides: dict, stops: list[int], *extra) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _killed_on_two_replicas(overrides: dict, workdir, after_step: int) -> None:
+    """Runs `overrides` on 2 CPU replicas in a child process, killed with SIGKILL after `after_step`."""
+    from tfmp.config import Config
+
+    config = Config(**overrides, strategy="mirrored", num_cpu_devices=2)
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    killed = subprocess.run([sys.executable, SCRIPT, "--child", json.dumps(config.to_dict()), str(workdir), str(after_step)],
+                            cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+
+
 def test_a_supervised_run_stopped_in_its_first_and_last_epoch_resumes_bit_for_bit():
     report = _measure({"task": "supervised", "epochs": 4}, [3, 40], "--deterministic")  # 11 steps an epoch
     assert report["steps"] == 44
@@ -93,13 +104,16 @@ def test_two_replicas_resume_with_the_same_steps_and_close_results():
         assert accuracy is None or abs(accuracy[0] - accuracy[1]) <= 0.05, stop
 
 
-@pytest.mark.slow  # ~40 s
-def test_a_zero1_run_on_two_replicas_killed_and_rerun_ends_like_the_run_never_stopped():
-    """kill -9 after step 13 (checkpoints every 4 steps): the rerun restores the sharded optimizer state from the
-    checkpoint and ends with the same steps; results within the 2-replica tolerance above (measured: eval 0.869 vs
-    0.878, the same BatchNorm drift as without zero1)."""
+@pytest.mark.slow  # ~40 s each
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_a_sharded_run_on_two_replicas_killed_and_rerun_ends_like_the_run_never_stopped(stage):
+    """kill -9 after step 13 (checkpoints every 4 steps): the rerun restores the sharded optimizer state (and under
+    zero3 each replica's chunks of the weights) from the checkpoint and ends with the same steps; results within the
+    2-replica tolerance above (measured for zero1: eval 0.869 vs 0.878, the same BatchNorm drift as unsharded). zero1
+    is spelled by its old name, `--optimizer_sharding`, which still resumes."""
+    setting = {"optimizer_sharding": "zero1"} if stage == "zero1" else {"sharding": stage}
     report = _measure({"task": "supervised", "epochs": 3, "strategy": "mirrored", "num_cpu_devices": 2, "precision": "float32",
-                       "optimizer_sharding": "zero1", "checkpoint_every_steps": 4}, [13], "--signal=KILL")
+                       **setting, "checkpoint_every_steps": 4}, [13], "--signal=KILL")
     [stop] = report["stops"]
     assert stop["stopped"] == "killed (SIGKILL) after step 13" and stop["resumed_from_step"] == 12, stop
     assert stop["steps"] == report["steps"] == 33
@@ -107,20 +121,17 @@ def test_a_zero1_run_on_two_replicas_killed_and_rerun_ends_like_the_run_never_st
     assert accuracy is None or abs(accuracy[0] - accuracy[1]) <= 0.05, stop
 
 
-@pytest.mark.slow  # ~40 s
-def test_a_zero1_cli_run_killed_on_two_replicas_resumes_on_one_device(tmp_path, run_cli):
-    """The device count may change on resume: a zero1 run on 2 replicas killed after step 13 is finished by the CLI
-    on one device, from the sharded checkpoint of step 12 (its optimizer state laid out anew), with a warning."""
-    from tfmp.config import Config
-
-    overrides = {"task": "supervised", "epochs": 3, "precision": "float32", "sharding": "zero1",
+@pytest.mark.slow  # ~40 s each
+@pytest.mark.parametrize("stage, resumed_stage", [("zero1", "zero1"), ("zero3", "zero3"), ("zero3", "zero1")])
+def test_a_sharded_cli_run_killed_on_two_replicas_resumes_on_one_device(tmp_path, run_cli, stage, resumed_stage):
+    """The device count may change on resume, and the stage among zero1-zero3 (their checkpoints hold the same state):
+    a run on 2 replicas killed after step 13 is finished by the CLI on one device, from the sharded checkpoint of step
+    12 (optimizer state and zero3's weight chunks laid out anew), with a warning."""
+    overrides = {"task": "supervised", "epochs": 3, "precision": "float32", "sharding": stage,
                  "checkpoint_every_steps": 4, "steps_per_execution": 1}
-    config = Config(**overrides, strategy="mirrored", num_cpu_devices=2)
     workdir = tmp_path / "run"
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    killed = subprocess.run([sys.executable, SCRIPT, "--child", json.dumps(config.to_dict()), str(workdir), "13"], cwd=REPO,
-                            env=environment, capture_output=True, text=True, timeout=600)
-    assert killed.returncode == -9, killed.stderr[-2000:]
+    _killed_on_two_replicas(overrides, workdir, after_step=13)
+    overrides["sharding"] = resumed_stage
     resumed = run_cli(f"--workdir={workdir}", "--strategy=off", *(f"--{key}={value}" for key, value in overrides.items()))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming on 1 replica(s) from a checkpoint written on 2" in resumed.stderr, resumed.stderr[-3000:]
@@ -193,3 +204,23 @@ def test_an_mae_run_killed_with_sigkill_resumes_bit_for_bit():
     for stop in report["stops"]:
         assert stop["steps"] == report["steps"] and stop["checkpoint_difference"][0] == 0.0, stop
         assert not {"linear_probe_accuracy", "knn_accuracy"} & set(stop["metric_differences"]), stop
+
+
+@pytest.mark.slow  # ~60 s: a killed 2-replica run, then two worker processes
+def test_a_zero3_run_killed_on_two_replicas_resumes_on_two_workers(tmp_path):
+    """zero3's checkpoint (each weight's slices under Keras' own key, the optimizer state per variable) written by two
+    replicas of one process is read by two worker processes, each taking its own chunks: the relaunch resumes at the
+    checkpoint of step 12 and ends with the run's 33 steps."""
+    overrides = {"task": "supervised", "epochs": 3, "precision": "float32", "sharding": "zero3",
+                 "checkpoint_every_steps": 4, "steps_per_execution": 1}
+    workdir = tmp_path / "run"
+    _killed_on_two_replicas(overrides, workdir, after_step=13)
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    resumed = subprocess.run([sys.executable, "-m", "tfmp.launch", "--num_workers=2", f"--workdir={workdir}",
+                              *(f"--{key}={value}" for key, value in overrides.items())], cwd=REPO, env=environment,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    assert metrics["strategy"] == "multi_worker_mirrored" and metrics["num_replicas"] == 2, metrics
+    assert metrics["resumed_from_step"] == 12 and metrics["steps"] == 33, metrics
+    assert metrics["eval_accuracy"] >= 0.8, metrics  # never stopped, on 2 replicas: 0.878

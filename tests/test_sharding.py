@@ -28,14 +28,16 @@ def _optimizer(kind):
     return optimizers.LARS(schedule, momentum=0.9, weight_decay=1e-4)
 
 
-def _model(strategy, kind, zero1):
+def _model(strategy, kind, zero1, stage=None, hidden=16):
+    """A small CNN whose optimizer (`kind`, zero1 or `stage`) is built: under zero3 the weights become chunks there."""
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu", name="conv"),
-                                  keras.layers.Flatten(), keras.layers.Dense(16, activation="relu", name="hidden"),
+                                  keras.layers.Flatten(), keras.layers.Dense(hidden, activation="relu", name="hidden"),
                                   keras.layers.Dense(10, name="logits")])
         optimizer = _optimizer(kind)
-        model.optimizer = sharding.ZeroOneOptimizer(optimizer) if zero1 else optimizer
+        stage = stage or ("zero1" if zero1 else "none")
+        model.optimizer = optimizer if stage == "none" else sharding.ShardedOptimizer(optimizer, stage=stage)
         model.optimizer.build(model.trainable_variables)
     return model
 
@@ -220,18 +222,21 @@ def test_zero1_under_bf16_matches_the_unsharded_optimizer():
             np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=tolerance, atol=tolerance, err_msg=f"{a.path} after {steps}")
 
 
-def test_fp16_overflow_on_one_replica_skips_the_step_on_both_and_leaves_the_weights():
+def fp16_model(strategy, stage):
+    """A one-layer model under mixed_float16 with a loss-scaled AdamW sharded as `stage`, built."""
     from tfmp import precision
 
     precision.set_policy("mixed_float16")
-    strategy = distribute.get_strategy("mirrored")
-    images, labels = _data()
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10, name="logits")])
-        model.optimizer = precision.wrap_optimizer(sharding.ZeroOneOptimizer(keras.optimizers.AdamW(1e-3)))
+        model.optimizer = precision.wrap_optimizer(sharding.ShardedOptimizer(keras.optimizers.AdamW(1e-3), stage=stage))
         model.optimizer.build(model.trainable_variables)
-    before = [w.numpy() for w in model.weights]
+    return model
+
+
+def poisoned_step(model, strategy, images, labels):
+    """A loss-scaled `strategy.run` step on 2 replicas, 32 rows each; given True, replica 1 alone overflows."""
 
     def replica_step(poison):
         replica = tf.distribute.get_replica_context().replica_id_in_sync_group
@@ -239,13 +244,23 @@ def test_fp16_overflow_on_one_replica_skips_the_step_on_both_and_leaves_the_weig
         with tf.GradientTape() as tape:
             logits = model(tf.gather(images, rows), training=True)
             loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(tf.gather(labels, rows), logits, from_logits=True))
-            # Replica 1 alone overflows on the poisoned step.
             loss = loss * tf.where(tf.logical_and(poison, tf.equal(replica, 1)), tf.constant(np.inf, loss.dtype), 1.0)
             scaled = model.optimizer.scale_loss(loss / 2)
         gradients = tape.gradient(scaled, model.trainable_variables)
         model.optimizer.apply(gradients, model.trainable_variables)
 
-    step = tf.function(lambda poison: strategy.run(replica_step, args=(poison,)))
+    return tf.function(lambda poison: strategy.run(replica_step, args=(poison,)))
+
+
+def test_fp16_overflow_on_one_replica_skips_the_step_on_both_and_leaves_the_weights():
+    from tfmp import precision
+
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    model = fp16_model(strategy, "zero1")
+    before = [w.numpy() for w in model.weights]
+
+    step = poisoned_step(model, strategy, images, labels)
     step(tf.constant(True))
     assert precision.skipped_steps(model.optimizer) == 1
     for old, variable in zip(before, model.weights):

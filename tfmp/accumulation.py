@@ -113,9 +113,9 @@ def two_view_batch(micro: tf.Tensor, steps: int) -> tf.Tensor:
 
 def gradient_owner(optimizer, steps: int, variables: list | None = None):
     """The `tfmp.sharding.ShardedOptimizer` whose chunks the micro-batches' gradients are summed as — zero2 on several
-    replicas with more than one micro-batch — or None: whole gradients are summed. Given every trainable variable
-    (`variables`), an unbuilt `optimizer` is built from them (a step that reduces some of them first needs the
-    layout of all)."""
+    replicas with more than one micro-batch, or zero3 (its gradients are chunks already) — or None: whole gradients are
+    summed. Given every trainable variable (`variables`), an unbuilt `optimizer` is built from them (a step that
+    reduces some of them first needs the layout of all)."""
     sharded = averaging.innermost(optimizer)
     if steps == 1 or not isinstance(sharded, sharding.ShardedOptimizer) or not sharded.shards_gradients:
         return None

@@ -62,8 +62,11 @@ JIT_COMPILE_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "off", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
 OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
-# What is sharded across replicas, by ZeRO's stage names (tfmp.sharding). zero3 joins when it is built.
-SHARDING_STAGES = ("none", "zero1", "zero2")
+# What is sharded across replicas, by ZeRO's stage names (tfmp.sharding).
+# Stages whose checkpoints hold the same state (the weights under Keras' own keys, the optimizer state per variable in
+# `tfmp.sharding.checkpoint_state`): a run may resume under another of them. `none` keeps Keras' optimizer slots.
+SHARED_CHECKPOINT_STAGES = ("zero1", "zero2", "zero3")
+SHARDING_STAGES = ("none", "zero1", "zero2", "zero3")
 # Settings renamed: old name -> (new name, the values the old name took). Old config.json files and flags still work.
 RENAMED_SETTINGS = {"optimizer_sharding": ("sharding", ("none", "zero1"))}
 REMAT_MODES = ("none", "blocks", "full")
@@ -290,7 +293,8 @@ class Config:
     sharding: str = _field("none", f"What is sharded across replicas (ZeRO's stages): {', '.join(SHARDING_STAGES)} (zero1: "
                                    "each replica keeps and updates the optimizer state of its chunk of the weights; zero2: "
                                    "also sums only its chunk of the accumulated gradients, with "
-                                   "--gradient_accumulation_steps > 1; the weights stay whole).", one_of(*SHARDING_STAGES))
+                                   "--gradient_accumulation_steps > 1; zero3 (FSDP): also holds only its chunk of the "
+                                   "weights, gathered where a layer reads them).", one_of(*SHARDING_STAGES))
     optimizer_sharding: str = _field("", "The previous name of --sharding (none or zero1), still accepted.",
                                      unset_or(one_of(*RENAMED_SETTINGS["optimizer_sharding"][1])))
     drop_path_rate: float = _field(0.0, "ViT encoders: stochastic depth of the last block (DeiT's drop path), rising "
@@ -398,6 +402,8 @@ class Config:
         (`CHANGEABLE_ON_RESUME`; after a failed run, also `CHANGEABLE_AFTER_FAILURE`)."""
         mine, theirs = self.to_dict(), other.to_dict()
         free = CHANGEABLE_ON_RESUME + (CHANGEABLE_AFTER_FAILURE if after_failure else ())
+        if {mine["sharding"], theirs["sharding"]} <= set(SHARED_CHECKPOINT_STAGES):
+            free += ("sharding",)
         return [f"{key}: {theirs[key]!r} -> {mine[key]!r}" for key in mine if key not in free and mine[key] != theirs[key]]
 
 

@@ -12,6 +12,10 @@ hook — who uses it — why there is no public way:
   (masked, synchronized) batch statistics.
 * `Optimizer._get_variable_index` — `tfmp.optimizers.LARS`, `tfmp.sharding` — where a variable's slots are, as
   Keras' own optimizers find them.
+* A Keras variable's `_value`, `_maybe_autocast`, `_direct_assign`, `_shared_name`, TensorFlow's
+  `_gather_saveables_for_checkpoint` and `SaveableObject` / `SaveSpec`, Keras' stateless scope, `Optimizer._var_key`,
+  a `tf.Variable`'s `_unique_id` — `tfmp.sharding.weights` (zero3) — a weight whose storage is per-replica chunks,
+  gathered where it is read and checkpointed as slices: Keras has no public way to give a variable another storage.
 * `Optimizer._use_weight_decay` — `tfmp.sharding` — Keras' own weight-decay exclusions (lists and pattern) for
   a variable, so the sharded update decays exactly what the unsharded one does.
 * `Adam._momentums`, `Adam._velocities` (AdamW's too; SGD's are public `momentums`) — `tfmp.sharding` — the slot
@@ -118,7 +122,9 @@ def _hooks() -> list[tuple[str, object, str]]:
              ("tf.__internal__.distribute.interim", tf.__internal__.distribute.interim, "maybe_merge_call"),
              ("MirroredStrategy", tf.distribute.MirroredStrategy, "_collective_key_base"),
              ("tf.__internal__.tracking", tf.__internal__.tracking, "Trackable"),
-             ("tensorflow.python.saved_model.registration", saved_model_registration, "register_checkpoint_saver")]
+             ("tensorflow.python.saved_model.registration", saved_model_registration, "register_checkpoint_saver"),
+             *(("Keras variable (TensorFlow)", variables[0], name) for name in SHARDED_VARIABLE_HOOKS),
+             ("tf.Variable", variables[0].value, "_unique_id"), ("Optimizer (TensorFlow)", keras.optimizers.Optimizer, "_var_key")]
     if isinstance(getattr(tf.distribute.MirroredStrategy, "_collective_key_base", None), int):
         fresh_collective_keys()  # this throwaway strategy's keys collide with no other's
     extended = tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")[:1]).extended
@@ -275,6 +281,113 @@ def register_checkpoint_saver(*, package: str, name: str, predicate, save_fn, re
                                            restore_fn=restore_fn)
 
 
+# ------------------------------------------------------------------ ZeRO-3's sharded weights (tfmp.sharding.weights)
+
+# A Keras variable keeps its storage in `_value` and reads it through its `value` property (with `_maybe_autocast`
+# inside a layer's call); TensorFlow finds its checkpoint tensors through `_shared_name` and, on its older saveable
+# route, `_gather_saveables_for_checkpoint`; Keras writes it through `_direct_assign`. Keras has no public way to give
+# a variable another storage: `shard_variable` replaces the storage and mixes `_ShardedVariable` into the variable's
+# class, whose methods hand every read, write and checkpoint to `sharded` (a `tfmp.sharding.weights.Chunks`).
+SHARDED_VARIABLE_HOOKS = ("_value", "_maybe_autocast", "_direct_assign", "_shared_name",
+                          "_gather_saveables_for_checkpoint")
+
+
+class _ShardedVariable:
+    sharded_storage = True  # `tfmp.distribute.check_replica_consistency`: the chunks differ by design
+
+    @property
+    def value(self):
+        from keras.src.backend.common import stateless_scope
+
+        if stateless_scope.in_stateless_scope():
+            mapped = stateless_scope.get_stateless_scope().get_current_value(self)
+            if mapped is not None:
+                return self._maybe_autocast(mapped)
+        return self._maybe_autocast(self.sharded.read(self._maybe_autocast))
+
+    @property
+    def handle(self):  # what GradientTape watches: this replica's chunk
+        return self._value.handle
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        import tensorflow as tf
+
+        return tf.convert_to_tensor(self.value, dtype=dtype, name=name)
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy as np
+
+        del copy
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    @property
+    def _shared_name(self):
+        return self._value._shared_name
+
+    def numpy(self):
+        return self.sharded.whole().numpy()
+
+    def _direct_assign(self, value):
+        self.sharded.assign_whole(value)
+
+    def _gather_saveables_for_checkpoint(self):
+        # TensorFlow's older saveable route, on purpose: its restore hands back one tensor per slice, where the newer
+        # `_serialize_to_tensors` route passes only a key's first slice (TF 2.21, `TrackableSaveable.restore`).
+        return {"VARIABLE_VALUE": lambda name: _ChunkSaveable(self, name)}
+
+
+def _saveable_base():
+    from tensorflow.python.training.saving import saveable_object
+
+    return saveable_object.SaveableObject, saveable_object.SaveSpec
+
+
+class _ChunkSaveable(_saveable_base()[0]):
+    """A sharded weight in a checkpoint: one spec per slice `sharded.saved_slices()` gives (the boxes its replicas
+    hold, or the whole weight), restored from TensorFlow's slices in the same order."""
+
+    def __init__(self, variable, name):
+        save_spec = _saveable_base()[1]
+        self.variable = variable
+        specs = [save_spec(tensor, spec, name, dtype="float32", device=device)
+                 for spec, tensor, device in variable.sharded.saved_slices()]
+        super().__init__(variable, specs, name)
+
+    def restore(self, restored_tensors, restored_shapes):
+        del restored_shapes
+        self.variable.sharded.restore_slices(list(restored_tensors))
+
+
+class ShardedVariableKeys:
+    """Mixed into the optimizers that hold sharded weights (tfmp's sharded and loss-scale optimizers): Keras identifies
+    a variable by its storage (`Optimizer._var_key` reads `variable.value`, a gathered tensor for a sharded weight);
+    a sharded weight is identified by its chunks' variable instead."""
+
+    def _var_key(self, variable):
+        if getattr(variable, "sharded_storage", False):
+            return variable._value._unique_id
+        return super()._var_key(variable)
+
+
+_SHARDED_CLASSES: dict = {}
+
+
+def shard_variable(variable, storage, sharded) -> None:
+    """Makes `variable` (a Keras variable) read, write and checkpoint through `sharded`, its storage now `storage`
+    (the whole copy it held is released)."""
+    keras_class = type(variable)
+    if keras_class not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[keras_class] = type(f"Sharded{keras_class.__name__}", (_ShardedVariable, keras_class), {})
+    variable._value = storage
+    variable.sharded = sharded
+    variable.__class__ = _SHARDED_CLASSES[keras_class]
+
+
+def variable_storage(variable):
+    """The TensorFlow variable a Keras variable keeps its value in (a sharded weight's: this replica's chunk)."""
+    return variable._value
+
+
 # ------------------------------------------------------------------ tf.distribute's collective launchers
 
 _LAUNCHER_HOOKS = ("_device", "_group_size", "_group_key", "_next_instance_key", "_get_ordering_token", "_options")
@@ -336,7 +449,7 @@ def nccl_all_gather(launcher, tensor):
         return tf.raw_ops.CollectiveGatherV2(input=tensor, **_collective_arguments(launcher))
 
 
-class LossScaleOptimizerHooks(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizerHooks(ShardedVariableKeys, keras.optimizers.LossScaleOptimizer):
     """Keras' `LossScaleOptimizer` whose private steps call public hooks, for subclasses to override.
 
     `apply_scaled_step` is one distributed step (Keras' `_tf_apply`); `on_finite_gradients` and

@@ -41,11 +41,12 @@ def _memory_estimate(config: Config, data: tfmp_data.ImageData, runtime: Runtime
         # The same BatchNorm settings and checkpointing as training: both change what is kept.
         model = models.build_classifier(build_encoder(config, runtime, data.image_shape), data.num_classes)
         apply_float32_layers(model, config)
-    shards = runtime.num_replicas if config.sharding in ("zero1", "zero2") else 1
+    shards = runtime.num_replicas if config.sharding != "none" else 1
     views = tasks.get(config.task).views(config, data.image_shape)
     return memory.estimate_memory(model, data.image_shape, per_replica, config.optimizer, views=views,
                                   optimizer_shards=shards, accumulation_steps=config.gradient_accumulation_steps,
-                                  gradient_shards=runtime.num_replicas if config.sharding == "zero2" else 1)
+                                  gradient_shards=runtime.num_replicas if config.sharding in ("zero2", "zero3") else 1,
+                                  weight_shards=runtime.num_replicas if config.sharding == "zero3" else 1)
 
 
 def memory_plan(config: Config, data: tfmp_data.ImageData, runtime: Runtime):

@@ -105,11 +105,14 @@ def check_supported(optimizer, what: str) -> None:
         raise ValueError(f"{what} does not support amsgrad=True ({type(optimizer).__name__}); use amsgrad=False")
 
 
-def update(optimizer, variable, weight, gradient, slots: dict, learning_rate, step, norms=None):
+def update(optimizer, variable, weight, gradient, slots: dict, learning_rate, step, norms=None, decays: bool | None = None):
     """One step of `optimizer`'s rule for `variable`: (new weight, new slots by `slot_names`). `step` counts from 1;
-    weight decay is Keras' (its exclusions decided by `uses_weight_decay`, from `tfmp.keras_internals`). `weight`,
-    `gradient` and the slots may be a shard of the variable (flat); LARS then takes the whole variable's `norms`."""
-    if not is_lars(optimizer) and getattr(optimizer, "weight_decay", None) and keras_internals.uses_weight_decay(optimizer, variable):
+    weight decay is Keras' (its exclusions decided by `uses_weight_decay`, from `tfmp.keras_internals`, unless `decays`
+    says it: decided before a variable's storage became chunks). `weight`, `gradient` and the slots may be a shard of
+    the variable (flat); LARS then takes the whole variable's `norms`."""
+    if decays is None:
+        decays = bool(getattr(optimizer, "weight_decay", None)) and keras_internals.uses_weight_decay(optimizer, variable)
+    if not is_lars(optimizer) and getattr(optimizer, "weight_decay", None) and decays:
         weight = decoupled_weight_decay(weight, learning_rate=learning_rate, weight_decay=optimizer.weight_decay)
     if isinstance(optimizer, keras.optimizers.Adam):
         weight, momentum, velocity = adam(weight, gradient, slots["momentum"], slots["velocity"], learning_rate=learning_rate,

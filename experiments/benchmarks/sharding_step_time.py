@@ -12,7 +12,9 @@ step time of each stage and its ratio to the first.
 Bytes moved are counted per replica as ring collectives move them (N replicas, B bytes: an all-reduce moves
 2(N-1)/N * B, a reduce-scatter or an all-gather (N-1)/N * B): `none` all-reduces the float32 gradients once a step;
 zero1 reduces them (a reduce-scatter on GPUs, an all-reduce off them) and all-gathers the updated weights; zero2 does
-so once per micro-batch. The small all-reduces of flags and norms are left out.
+so once per micro-batch; zero3 all-gathers every weight where the forward pass reads it and reduces its gradient in
+the backward pass, once per micro-batch (under --remat the recomputed forward gathers again: not counted here). The
+small all-reduces of flags and norms are left out.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def bytes_moved(stage: str, parameters: int, replicas: int, micro_batches: int, 
     if stage == "none":
         return round(all_reduce)
     reduce = one_way if reduce_scatter else all_reduce
+    if stage == "zero3":  # each micro-batch gathers the weights once (float32 here; bf16 halves it) and reduces
+        return round(micro_batches * (reduce + one_way))
     reductions = micro_batches if stage == "zero2" else 1
     return round(reductions * reduce + one_way)
 
@@ -51,7 +55,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--stages", default="none,zero1", help="comma-separated: none, zero1, zero2")
+    parser.add_argument("--stages", default="none,zero1", help="comma-separated: none, zero1, zero2, zero3")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     args = parser.parse_args()
     stages = args.stages.split(",")
@@ -83,6 +87,10 @@ def main() -> None:
             times[stage].append((time.perf_counter() - start) / args.steps)
     parameters = sum(int(np.prod(v.shape)) for v in built[stages[0]].trainable_weights)
     medians = {stage: statistics.median(values) for stage, values in times.items()}
+    weights_mb = {stage: [round(sum(int(np.prod(chunk.shape)) * 4 for v in model.trainable_weights
+                                    for chunk in [strategy.experimental_local_results(v.sharded.storage)[replica]]) / 1e6, 2)
+                          for replica in range(2)] if stage == "zero3" else round(4 * parameters / 1e6, 2)
+                  for stage, model in built.items()}
     state = {}
     for stage, model in built.items():
         if stage == "none":
@@ -97,7 +105,8 @@ def main() -> None:
         "step_ms_all": {stage: [round(1000 * value, 1) for value in values] for stage, values in times.items()},
         "over_first": {stage: round(value / medians[stages[0]], 3) for stage, value in medians.items()},
         "optimizer_state_mb_per_replica": state,
-        "accumulated_gradient_mb_per_replica": {stage: round(4 * parameters / (2 if stage == "zero2" else 1) / 1e6, 2)
+        "weights_mb_per_replica": weights_mb,
+        "accumulated_gradient_mb_per_replica": {stage: round(4 * parameters / (2 if stage in ("zero2", "zero3") else 1) / 1e6, 2)
                                                 for stage in stages} if micro > 1 else {},
         "mb_moved_per_replica_per_step": {
             stage: {"cpu_all_reduce": round(bytes_moved(stage, parameters, 2, micro, False) / 1e6, 1),

@@ -107,7 +107,8 @@ class NaNGuard(CountingCallback):
         key = [id(variable) for variable in variables]
         known = _FINITE_CHECKS.get(self.model)  # shared by every guard of this model (an SSL run's baseline draws)
         if known is None or known[0] != key:
-            check = tf.function(lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(variable.value)) for variable in variables]))
+            check = tf.function(lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(value)) for variable in variables
+                                                       for value in _held_values(variable)]))
             known = _FINITE_CHECKS[self.model] = (key, check)
         return bool(known[1]())
 
@@ -272,3 +273,11 @@ class ReplicaConsistencyCheck(CountingCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._check()
+
+
+def _held_values(variable) -> list:
+    """What this process holds of a variable: its value, or a sharded weight's local chunks (`--sharding=zero3`: each
+    worker checks its own; a non-finite chunk makes the next loss non-finite on every worker)."""
+    if getattr(variable, "sharded_storage", False):
+        return [tf.convert_to_tensor(chunk) for chunk in variable.sharded.local_chunks()]
+    return [variable.value]

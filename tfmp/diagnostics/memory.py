@@ -157,7 +157,7 @@ def activation_bytes(model: keras.Model, input_shape: tuple[int, ...]) -> tuple[
 
 def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replica_batch: int, optimizer: str = "adamw",
                     views: float = 1, optimizer_shards: int = 1, accumulation_steps: int = 1,
-                    gradient_shards: int = 1) -> MemoryEstimate:
+                    gradient_shards: int = 1, weight_shards: int = 1) -> MemoryEstimate:
     """Estimates one replica's training memory.
 
     Args:
@@ -173,19 +173,27 @@ def estimate_memory(model: keras.Model, input_shape: tuple[int, ...], per_replic
             micro-batch's, plus two gradient sizes (the running sum and the next).
         gradient_shards: replicas the accumulated gradients are sharded over (`--sharding=zero2`): the running sum
             and the next are each replica's chunks.
+        weight_shards: replicas the trainable weights are sharded over (`--sharding=zero3`): each holds a chunk of
+            every weight and receives a chunk of every gradient; the gathered copies a layer's backward pass needs stay
+            until it runs (counted with the activations: the 16-bit copies under a mixed policy already are, in
+            float32 the gathered float32 weights are added). A layer's whole gradient before its reduce-scatter is
+            transient and not counted.
     """
-    params = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
-    trainable = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
+    whole_trainable = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
+    trainable = -(-whole_trainable // weight_shards)
+    params = sum(int(np.prod(v.shape)) * 4 for v in model.weights) - whole_trainable + trainable
     per_example, fixed = activation_bytes(model, input_shape)
+    if weight_shards > 1 and precision.global_policy_name() == "float32":
+        fixed += whole_trainable
     activations = round(per_example * (per_replica_batch // accumulation_steps) * views) + fixed
     return MemoryEstimate(
         precision=precision.global_policy_name(),
         per_replica_batch=per_replica_batch,
         params_bytes=params,
         gradients_bytes=trainable,
-        optimizer_bytes=-(-trainable * OPTIMIZER_SLOTS.get(optimizer, 2) // optimizer_shards),
+        optimizer_bytes=-(-whole_trainable * OPTIMIZER_SLOTS.get(optimizer, 2) // optimizer_shards),
         activations_bytes=activations,
-        accumulator_bytes=2 * -(-trainable // gradient_shards) if accumulation_steps > 1 else 0,
+        accumulator_bytes=2 * -(-whole_trainable // gradient_shards) if accumulation_steps > 1 else 0,
         gradient_accumulation_steps=accumulation_steps,
         fixed_activations_bytes=fixed,
         gradient_shards=gradient_shards,

@@ -8,17 +8,19 @@ One module per concern:
 * `optimizer` — `ShardedOptimizer`, the step: each replica updates its chunks with the rules of `tfmp.update_rules`
   and the updated weights are gathered to every replica, bucket by bucket; under zero2 the accumulated gradients
   are held as chunks too (`owned_gradients`, summed by `tfmp.accumulation`);
-* `checkpoint_state` — the sharded state in checkpoints, written from where it lives, read into any layout.
+* `checkpoint_state` — the sharded state in checkpoints, written from where it lives, read into any layout;
+* `weights` — zero3 / FSDP: each trainable weight held as per-replica chunks, gathered where a layer reads it
+  (in the compute dtype), its gradient arriving as the replica's chunk; checkpointed as slices under Keras' own keys.
 
-`--sharding` takes ZeRO's stage names (`tfmp.config.SHARDING_STAGES`). Built: `zero1` (optimizer state) and `zero2`
-(gradients too, where they outlive a micro-batch). Not built yet: `zero3` / FSDP (weights too) — BUILD_NOTES.md says
-what stands in the way.
+`--sharding` takes ZeRO's stage names (`tfmp.config.SHARDING_STAGES`): `zero1` (optimizer state), `zero2`
+(gradients too, where they outlive a micro-batch) and `zero3` / FSDP (the weights too).
 """
 
 from tfmp.sharding.collectives import (GRADIENT_REDUCTIONS, AllReduceShares, NcclReduceScatter,
                                        choose_gradient_reduction)
+from tfmp.sharding import weights
 from tfmp.sharding.layout import Layout
 from tfmp.sharding.optimizer import ShardedOptimizer, ZeroOneOptimizer
 
 __all__ = ["GRADIENT_REDUCTIONS", "AllReduceShares", "NcclReduceScatter", "Layout", "ShardedOptimizer",
-           "ZeroOneOptimizer", "choose_gradient_reduction"]
+           "ZeroOneOptimizer", "choose_gradient_reduction", "weights"]

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2: the optimizer step with each replica holding the optimizer state of its chunk of every variable.
+"""ZeRO stages 1, 2 and 3: the optimizer step with each replica holding the optimizer state of its chunk of every variable.
 
 `ShardedOptimizer(inner, stage="zero1")` (also spelled `ZeroOneOptimizer(inner)`) wraps AdamW/Adam, SGD (with or
 without momentum) or tfmp's LARS. Under a strategy with N
@@ -38,7 +38,11 @@ second reduction (`receiving_owned`). It pays K reductions a step instead of one
 accumulation the gradients of a step do not outlive it and zero2's step is zero1's (each bucket reduced and updated
 on its own: no replica holds more than one bucket of reduced gradients).
 
-Not sharded: the weights stay whole on every replica (ZeRO stage 3, FSDP). Limits (refused with
+**zero3** (`stage="zero3"`, FSDP) also shards the weights: at `build` each trainable weight becomes per-replica
+chunks (`tfmp.sharding.weights`), gathered where a layer reads it; the gathers' gradients are each replica's chunks
+summed over the replicas, so the step updates each replica's chunks in place with no collective of its own. Build the
+optimizer before the first step (`fit()` does; a `strategy.run` loop calls `optimizer.build(model.trainable_variables)`):
+the forward pass must read the chunks. Limits (refused with
 one line where they apply, `update_rules.check_supported`): per-tensor clipping, Keras' `gradient_accumulation_steps`
 (tfmp's own accumulation composes: `tfmp.accumulation`), `ema_overwrite_frequency`, AMSGrad, and optimizers other
 than the three above.
@@ -56,6 +60,7 @@ import tensorflow as tf
 from tfmp import keras_internals, logs, update_rules
 from tfmp.config import SHARDING_STAGES
 from tfmp.sharding import checkpoint_state
+from tfmp.sharding import weights as weights_module
 from tfmp.sharding.collectives import choose_gradient_reduction
 from tfmp.sharding.layout import Layout
 
@@ -66,7 +71,7 @@ STAGES = tuple(stage for stage in SHARDING_STAGES if stage != "none")
 
 
 @keras.saving.register_keras_serializable(package="tfmp")
-class ShardedOptimizer(keras.optimizers.Optimizer):
+class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Optimizer):
     """ZeRO stages 1 and 2: each replica holds and updates the optimizer state of its chunk of every variable
     (and under zero2 sums only its chunks of the accumulated gradients).
 
@@ -84,8 +89,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str | None = None,
                  global_clipnorm: float | None = None, stage: str = "zero1", **kwargs):
         if stage not in STAGES:
-            raise ValueError(f"stage must be one of {', '.join(STAGES)}, not {stage!r} (zero3 shards the weights: "
-                             "not built yet)")
+            raise ValueError(f"stage must be one of {', '.join(STAGES)}, not {stage!r}")
         super().__init__(learning_rate=0.0, name=name or stage, **kwargs)
         self.stage = stage
         self.gradient_reduction = gradient_reduction
@@ -147,6 +151,12 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             with strategy.scope():
                 self.inner.build(variables)
         else:
+            if self.stage == "zero3":  # the weights themselves become per-replica chunks, in place
+                # Keras decides weight decay by a variable's storage: decided while the storage is whole.
+                self.held.decays = [bool(getattr(self.inner, "weight_decay", None))
+                                    and keras_internals.uses_weight_decay(self.inner, variable) for variable in variables]
+                weights_module.shard_weights(self.variables_in_order, self.layout, strategy, self.held.reduction,
+                                      checkpoint_state.local_replica_ids(strategy))
             # Per-replica buffers: each replica's copy holds its own chunks' state (not a copy of the others').
             with strategy.scope():
                 self.held.buffers = {name: tf.Variable(tf.zeros([self.layout.elements]), trainable=False, name=f"zero1_{name}",
@@ -172,6 +182,9 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     # ------------------------------------------------------------------------------ the step
 
     def apply(self, grads, trainable_variables=None):
+        if not self.built and self.stage == "zero3" and self.held.strategy.num_replicas_in_sync > 1:
+            raise ValueError("sharding=zero3: build the optimizer before the first step (optimizer.build(model."
+                             "trainable_variables)); the forward pass must read the sharded weights (fit() builds it)")
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         if self.replicas == 1:
@@ -191,7 +204,8 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         order = self.held.reduction.rank_order(context)
         states = {name: {} for name in self.slot_names}
         buckets = list(reversed(self.layout.buckets))  # the last layers' gradients are ready first
-        if self.held.receiving_owned:  # reduced already (zero2's accumulation): each gradient is this replica's chunk
+        if self.held.receiving_owned or self.stage == "zero3":  # reduced already (zero2's accumulation, zero3's
+            # gathers): each gradient is this replica's chunk
             chunks = [[self._owned_or_zeros(grads[index], index) for index in bucket] for bucket in buckets]
         elif self.global_clipnorm:  # the global norm needs every bucket's sum first: each replica keeps its chunks
             chunks = [self._reduce_bucket(context, bucket, grads, order) for bucket in buckets]
@@ -211,8 +225,8 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def shards_gradients(self) -> bool:
-        """Whether accumulated gradients are held as this replica's chunks: zero2 on several replicas."""
-        return self.stage == "zero2" and self.held.strategy.num_replicas_in_sync > 1
+        """Whether accumulated gradients are held as this replica's chunks: zero2 and zero3 on several replicas."""
+        return self.stage in ("zero2", "zero3") and self.held.strategy.num_replicas_in_sync > 1
 
     def owned_gradients(self, grads, variables) -> list:
         """This replica's chunks of `grads` summed over the replicas (call in replica context, on several replicas).
@@ -225,6 +239,8 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(list(variables))
         context = tf.distribute.get_replica_context()
+        if self.stage == "zero3":  # the gathers' gradients are this replica's chunks already
+            return [None if gradient is None else tf.cast(gradient, tf.float32) for gradient in grads]
         positions = [self.held.index_of[id(variable)] for variable in variables]
         by_index = [None] * len(self.variables_in_order)
         for index, gradient in zip(positions, grads):
@@ -288,7 +304,8 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         layout, variables = self.layout, self.variables_in_order
         replica = context.replica_id_in_sync_group
         starts = np.cumsum([0] + [layout.chunks[index] for index in bucket])
-        weights = [tf.gather(self._chunked(variables[index].value, index), replica) for index in bucket]
+        sharded = self.stage == "zero3"
+        weights = [self._own_weight(variables[index], index, replica) for index in bucket]
         norms = self._lars_norms(context, bucket, weights, gradients)
         new_weights = []
         for position, index in enumerate(bucket):
@@ -297,7 +314,8 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             weight = weights[position]
             if grads[index] is not None:  # a variable without a gradient is left as it is (no decay), as Keras does
                 weight, rule_slots = update_rules.update(self.inner, variable, weight, gradients[position], slots,
-                                                         learning_rate, step, norms=None if norms is None else norms[position])
+                                                         learning_rate, step, norms=None if norms is None else norms[position],
+                                                         decays=None if self.held.decays is None else self.held.decays[index])
                 slots.update(rule_slots)
             if "average" in slots:  # every variable's, as Keras averages every trainable variable
                 slots["average"] = update_rules.moving_average(slots["average"], weight, momentum=self.inner.ema_momentum,
@@ -305,12 +323,23 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             new_weights.append(weight)
             for name in self.slot_names:
                 states[name][index] = slots[name]
+        if sharded:  # zero3: each replica keeps its updated chunks; the next forward pass gathers them
+            for index, weight in zip(bucket, new_weights):
+                if weights_module.is_sharded(variables[index]):
+                    variables[index].sharded.assign_chunk(weight)
+            return
         gathered = context.all_gather(tf.concat(new_weights, axis=0)[None], axis=0)  # [replicas, bucket chunk]
         values = []
         for start, index in zip(starts, bucket):
             whole = tf.reshape(gathered[:, start:start + layout.chunks[index]], [-1])[:layout.sizes[index]]
             values.append(tf.cast(tf.reshape(whole, variables[index].shape), variables[index].dtype))
         context.merge_call(_write_all, args=([variables[index] for index in bucket], values))
+
+    def _own_weight(self, variable, index: int, replica):
+        """This replica's chunk of a variable's weight, float32: its own storage under zero3, else cut from the whole."""
+        if weights_module.is_sharded(variable):
+            return tf.convert_to_tensor(variable.sharded.storage)
+        return tf.gather(self._chunked(variable.value, index), replica)
 
     def _lars_norms(self, context, bucket, weights, gradients):
         """LARS' whole-variable norms `(|w|, |g + decay * w|)` from every replica's chunks (None for other rules)."""
@@ -410,6 +439,7 @@ class _Untracked:
         self.bucket_gathers = None
         self.receiving_owned = 0  # > 0 while a step applies gradients reduced already (`receiving_owned`)
         self.index_of: dict = {}  # id of each trainable variable -> its position, from build
+        self.decays: list | None = None  # zero3: whether each variable takes weight decay, decided before sharding
 
 
 def _write_all(strategy, variables, values):

@@ -1,0 +1,335 @@
+"""ZeRO stage 3 / FSDP (`tfmp.sharding.ShardedOptimizer(stage="zero3")`, `tfmp.sharding.weights`) on 2 CPU replicas:
+each replica holds half of every weight, gathered where a layer reads it, and training ends where the unsharded run
+does — AdamW, SGD, LARS; a `strategy.run` loop and `fit()`; bf16 (gathered in bf16); fp16 with an overflow on one
+replica; a lazily built subclassed model with sizes 2 does not divide — and its checkpoints restore into an
+unsharded model on one device and back."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from test_sharding import LAYOUTS, STEPS, ScaledModel, _data, _optimizer, fp16_model, poisoned_step
+from test_sharding import _model as sharding_model
+from tfmp import distribute, models, precision, sharding
+from tfmp.sharding import weights
+
+
+def _model(strategy, kind, stage):
+    return sharding_model(strategy, kind, zero1=False, stage=stage, hidden=15)  # 15: sizes 2 replicas do not divide
+
+
+def _sharded(optimizer, stage):
+    """`optimizer` as the stage runs it: itself unsharded, else inside `ShardedOptimizer`."""
+    return optimizer if stage == "none" else sharding.ShardedOptimizer(optimizer, stage=stage)
+
+
+def _fitted_per_stage(build, optimizer, prepare=lambda model: model, compile_options=None, classes=10, **fit_options) -> dict:
+    """`build()` compiled with `optimizer()` unsharded and under zero3 on 2 replicas, each fitted the same way."""
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    labels = labels % classes
+    fitted = {}
+    for stage in ("none", "zero3"):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = build()
+            model.compile(optimizer=_sharded(optimizer(), stage), **(compile_options or {}),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        fitted[stage] = prepare(model)
+        fitted[stage].fit(images, labels, shuffle=False, verbose=0, **fit_options)
+    return fitted
+
+
+def _assert_close(expected, actual, tolerance=1e-5):
+    for a, b in zip(expected.weights, actual.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=tolerance, atol=tolerance / 10, err_msg=a.path)
+
+
+def test_flat_chunks_are_cut_into_boxes_that_tile_them_in_order():
+    shape = (3, 4, 5)
+    flat = np.arange(60).reshape(shape)
+    for start, stop in ((0, 60), (7, 53), (20, 40), (3, 4), (19, 21), (0, 1), (59, 60)):
+        boxes = weights.flat_boxes(shape, start, stop)
+        pieces = [flat[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))].reshape(-1) for offsets, lengths in boxes]
+        np.testing.assert_array_equal(np.concatenate(pieces), np.arange(start, stop), err_msg=f"{start}:{stop}")
+    assert weights.flat_boxes(shape, 5, 5) == []
+    assert weights.slice_spec((3, 4), (1, 0), (2, 4)) == "3 4 1,2:0,4"
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "lars"])
+def test_zero3_in_a_strategy_run_loop_ends_where_the_unsharded_run_does(kind):
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    plain, sharded = _model(strategy, kind, "none"), _model(strategy, kind, "zero3")
+    assert all(weights.is_sharded(variable) for variable in sharded.trainable_weights)
+    _assert_close(plain, sharded, tolerance=0.0 + 1e-12)  # the same start, read back whole from the chunks
+    LAYOUTS["train"](plain, strategy, images, labels, STEPS)
+    LAYOUTS["train"](sharded, strategy, images, labels, STEPS)
+    _assert_close(plain, sharded)
+    start = _model(strategy, kind, "none")
+    assert all(not np.allclose(a.numpy(), b.numpy()) for a, b in zip(sharded.weights, start.weights))  # all trained
+
+
+def test_each_replica_holds_half_of_every_weight_and_of_the_optimizer_state():
+    strategy = distribute.get_strategy("mirrored")
+    plain, sharded = _model(strategy, "adamw", "none"), _model(strategy, "adamw", "zero3")
+    whole = sum(int(np.prod(v.shape)) * 4 for v in plain.trainable_weights)
+    held = [0, 0]
+    for variable in sharded.trainable_weights:
+        for replica, chunk in enumerate(strategy.experimental_local_results(variable.sharded.storage)):
+            held[replica] += int(np.prod(chunk.shape)) * 4
+    padding = len(plain.trainable_weights) * 4  # at most one element per variable rounds up
+    assert all(whole / 2 <= bytes_ <= whole / 2 + padding for bytes_ in held), (held, whole)
+    assert all(whole * 2 / 2 <= bytes_ <= whole + 2 * padding for bytes_ in sharded.optimizer.state_bytes_per_replica())
+
+
+def test_fit_with_zero3_matches_fit_without_on_a_model_with_batchnorm():
+    images, labels = _data()
+    fitted = _fitted_per_stage(lambda: models.build_classifier(models.build_encoder("small_cnn", (8, 8, 1)), 10),
+                               lambda: _optimizer("sgd"), compile_options={"metrics": ["accuracy"]}, batch_size=32, epochs=2)
+    plain, sharded = fitted["none"], fitted["zero3"]
+    _assert_close(plain, sharded, tolerance=1e-4)
+    np.testing.assert_allclose(sharded.history.history["loss"], plain.history.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(sharded.evaluate(images, labels, verbose=0), plain.evaluate(images, labels, verbose=0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "lars"])
+def test_a_lazily_built_subclassed_model_with_sizes_not_divisible_by_the_replicas(kind):
+    fitted = _fitted_per_stage(ScaledModel, lambda: _optimizer(kind), classes=5, batch_size=16, epochs=3)
+    results = [[(w.name, w.numpy()) for w in model.trainable_weights] for model in fitted.values()]
+    assert sorted(value.size for _, value in results[1]) == [1, 3, 5, 15, 64 * 3]
+    for (name, plain), (same_name, sharded) in zip(*results):
+        assert name == same_name
+        np.testing.assert_allclose(sharded, plain, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert not np.allclose(dict(results[1])["scale"], 1.0)  # the scalar, held by replica 0 alone, trained
+
+
+def _gathered_dtypes(model, strategy, images):
+    """The dtypes the weights are gathered in: bf16 travels bitcast as 16-bit halves (`tfmp.sharding.weights`)."""
+    function = tf.function(lambda x: strategy.run(model, args=(x,)))
+    graph = function.get_concrete_function(tf.constant(images[:32])).graph
+    nodes = [node for function_def in graph.as_graph_def().library.function for node in function_def.node_def]
+    nodes += list(graph.as_graph_def().node)
+    bitcast = [tf.dtypes.as_dtype(node.attr["T"].type).name for node in nodes if node.op == "Bitcast"]
+    return bitcast
+
+
+def test_zero3_under_bf16_gathers_bf16_and_computes_what_zero1_does_bit_for_bit():
+    """zero3's arithmetic is zero1's: the same bf16 copies of the weights, the same float32 sums of the gradients, the
+    same update rule — bit for bit after 20 steps. Against Keras' own AdamW, one step agrees within float32 rounding;
+    later a last-bit difference flips bf16 roundings (measured: 0.027 apart after 5 steps, zero1 alike)."""
+    precision.set_policy("mixed_bfloat16")
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    plain, zero1, sharded = (_model(strategy, "adamw", stage) for stage in ("none", "zero1", "zero3"))
+    gathered = _gathered_dtypes(sharded, strategy, images)
+    # Each weight on each replica leaves as bf16 bits in 16-bit halves and comes back: half the bytes of float32 move.
+    assert gathered.count("bfloat16") == gathered.count("float16") == 2 * len(sharded.trainable_weights), gathered
+    for model in (plain, zero1, sharded):
+        LAYOUTS["train"](model, strategy, images, labels, 1)
+    _assert_close(plain, sharded, tolerance=1e-5)
+    for model in (zero1, sharded):
+        LAYOUTS["train"](model, strategy, images, labels, STEPS - 1)
+    for a, b in zip(zero1.weights, sharded.weights):
+        assert b.dtype == "float32"
+        np.testing.assert_array_equal(b.numpy(), a.numpy(), err_msg=a.path)
+
+
+def test_fp16_overflow_on_one_replica_skips_the_step_on_both_and_leaves_every_chunk():
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    model = fp16_model(strategy, "zero3")
+    chunks = lambda: [c.numpy() for w in model.weights for c in strategy.experimental_local_results(w.sharded.storage)]
+    before = chunks()
+
+    step = poisoned_step(model, strategy, images, labels)
+    step(tf.constant(True))
+    assert precision.skipped_steps(model.optimizer) == 1
+    for old, new in zip(before, chunks()):
+        np.testing.assert_array_equal(new, old)
+    step(tf.constant(False))
+    assert precision.skipped_steps(model.optimizer) == 1
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+    assert not np.array_equal(chunks()[0], before[0]) and not np.array_equal(chunks()[1], before[1])  # both replicas moved
+
+
+def test_a_zero3_checkpoint_resumes_unsharded_on_one_device_and_an_unsharded_one_resumes_under_zero3(tmp_path):
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    sharded = _model(strategy, "adamw", "zero3")
+    LAYOUTS["train"](sharded, strategy, images, labels, 5)
+    path = tf.train.Checkpoint(model=sharded, optimizer=sharded.optimizer).write(str(tmp_path / "zero3"))
+    reader = tf.train.load_checkpoint(path)
+    for variable in sharded.trainable_weights:  # stored under Keras' own key, whole shape, from both replicas' slices
+        key = next(k for k, shape in reader.get_variable_to_shape_map().items()
+                   if shape == list(variable.shape) and np.array_equal(reader.get_tensor(k), variable.numpy()))
+        assert key.endswith("/.ATTRIBUTES/VARIABLE_VALUE")
+
+    # One device, nothing sharded (the optimizer wrapper runs its inner optimizer): weights and state restored.
+    single = _model(tf.distribute.get_strategy(), "adamw", "zero1")
+    tf.train.Checkpoint(model=single, optimizer=single.optimizer).read(path).assert_existing_objects_matched()
+    _assert_close(sharded, single, tolerance=1e-12)
+    state = sharded.optimizer.gathered_state()
+    np.testing.assert_array_equal(single.optimizer.gathered_state()["velocity:2"], state["velocity:2"])
+    LAYOUTS["train"](single, tf.distribute.get_strategy(), images, labels, 5)
+    LAYOUTS["train"](sharded, strategy, images, labels, 5)
+    _assert_close(single, sharded)
+
+    # And back: the one-device checkpoint into a fresh zero3 model on 2 replicas.
+    back = tf.train.Checkpoint(model=single, optimizer=single.optimizer).write(str(tmp_path / "single"))
+    again = _model(strategy, "adamw", "zero3")
+    tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(back).assert_existing_objects_matched()
+    _assert_close(single, again, tolerance=1e-12)
+    LAYOUTS["train"](single, tf.distribute.get_strategy(), images, labels, 3)
+    LAYOUTS["train"](again, strategy, images, labels, 3)
+    _assert_close(single, again)
+
+
+def test_whole_reads_and_writes_outside_a_step_go_through_the_chunks():
+    strategy = distribute.get_strategy("mirrored")
+    sharded = _model(strategy, "sgd", "zero3")
+    values = [np.random.default_rng(index).normal(size=w.shape).astype(np.float32) for index, w in enumerate(sharded.weights)]
+    sharded.set_weights(values)
+    for value, variable, got in zip(values, sharded.weights, sharded.get_weights()):
+        np.testing.assert_array_equal(got, value)
+        halves = [c.numpy() for c in strategy.experimental_local_results(variable.sharded.storage)]
+        np.testing.assert_array_equal(np.concatenate(halves)[:value.size], value.reshape(-1))  # each replica its half
+    assert not np.array_equal(*[c.numpy() for c in strategy.experimental_local_results(sharded.weights[0].sharded.storage)])
+    assert distribute.check_replica_consistency(sharded) == []  # chunks differ by design and are not compared
+
+
+def _ssl_weights_after_fit(name, stage, steps=4):
+    from test_ssl_methods import _method
+    from tfmp import data
+
+    strategy = distribute.get_strategy("mirrored")
+    model = _method(name, strategy)
+    with strategy.scope():
+        # SGD: Adam divides a gradient by its own size, so the noise of a bias whose gradient is zero in exact
+        # arithmetic (one before a BatchNorm) becomes a full step, different in any other summation order.
+        optimizer = _optimizer("sgd")
+        model.compile(optimizer=_sharded(optimizer, stage))
+    digits = data.load("digits")
+    model.fit(data.classification_pipeline(digits.train, 32, training=True, indices=np.arange(32 * steps)), epochs=1, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("name", ["simclr", pytest.param("byol", marks=pytest.mark.slow), pytest.param("vicreg", marks=pytest.mark.slow),
+                                  pytest.param("barlow_twins", marks=pytest.mark.slow),
+                                  pytest.param("mocov3", marks=pytest.mark.slow)])
+def test_ssl_methods_under_zero3_end_where_the_unsharded_run_does(name):
+    """The SSL train steps (gradient caching's encoder chunks and heads, a momentum target's EMA of gathered online
+    weights) and the online probe, under zero3, against the same run unsharded."""
+    plain, sharded = _ssl_weights_after_fit(name, "none"), _ssl_weights_after_fit(name, "zero3")
+    assert sum(weights.is_sharded(variable) for variable in sharded.trainable_weights) == len(sharded.trainable_weights)
+    for a, b in zip(plain.weights, sharded.weights):
+        scale = max(1.0, float(np.abs(a.numpy()).max()))
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-5 * scale, err_msg=a.path)
+    if hasattr(plain, "target_weights"):  # BYOL, MoCo v3: the target moved, to the same place
+        moved = [not np.allclose(t.numpy(), o.numpy()) for t, o in zip(sharded.target_weights(), sharded.online_target_weights())]
+        assert any(moved)
+
+
+def test_the_cli_trains_with_zero3_like_without_and_its_dry_run_counts_each_replicas_share(tmp_path):
+    import json
+
+    from tfmp import train
+
+    metrics, estimates = {}, {}
+    for stage in ("none", "zero3"):
+        common = [f"--strategy=mirrored", "--num_cpu_devices=2", "--precision=float32", f"--sharding={stage}"]
+        assert train.main(["tfmp.train", f"--workdir={tmp_path / stage}", *common, "--epochs=2", "--global_batch_size=128"]) == 0
+        metrics[stage] = json.loads((tmp_path / stage / "metrics.json").read_text())
+        assert train.main(["tfmp.train", f"--workdir={tmp_path / ('dry' + stage)}", *common, "--dry_run"]) == 0
+        estimates[stage] = json.loads((tmp_path / ("dry" + stage) / "memory_estimate.json").read_text())
+    assert metrics["zero3"]["steps"] == metrics["none"]["steps"]
+    assert metrics["zero3"]["train_loss"] == pytest.approx(metrics["none"]["train_loss"], rel=1e-4)
+    assert metrics["zero3"]["eval_accuracy"] == pytest.approx(metrics["none"]["eval_accuracy"], abs=0.01)
+    for key in ("gradients_bytes", "optimizer_bytes"):  # each replica's share: half, rounded up per weight
+        assert estimates["none"][key] / 2 <= estimates["zero3"][key] <= estimates["none"][key] / 2 + 64, key
+    assert estimates["zero3"]["params_bytes"] < 0.6 * estimates["none"]["params_bytes"]  # BatchNorm statistics stay whole
+
+
+@pytest.mark.slow  # ~2-4 min: DINO's multi-crop and MAE's ViT, each unsharded and under zero3
+# DINO's preset clips each variable (--clipnorm), which sharded steps refuse: clipped by the global norm here.
+@pytest.mark.parametrize("flags", [["--flagfile=experiments/digits_dino.cfg", "--clipnorm=0", "--global_clipnorm=3"],
+                                   ["--task=mae", "--model=vit_micro_p2", "--decoder_depth=1", "--decoder_width=32"]])
+def test_dino_and_mae_under_zero3_train_like_without(tmp_path, run_cli, flags):
+    import json
+
+    metrics = {}
+    for stage in ("none", "zero3"):
+        result = run_cli(*flags, f"--workdir={tmp_path / stage}", "--strategy=mirrored", "--num_cpu_devices=2",
+                         "--precision=float32", "--epochs=2", "--warmup_epochs=1", "--label_draws=1", f"--sharding={stage}",
+                         timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        metrics[stage] = json.loads((tmp_path / stage / "metrics.json").read_text())
+    assert metrics["zero3"]["steps"] == metrics["none"]["steps"]
+    assert metrics["zero3"]["train_loss"] == pytest.approx(metrics["none"]["train_loss"], rel=1e-3)
+
+
+def test_the_moving_average_under_zero3_is_the_unsharded_one_and_swaps_in_and_out():
+    from tfmp import averaging
+
+    images, labels = _data()
+    fitted = _fitted_per_stage(
+        lambda: keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(15, name="hidden"),
+                                  keras.layers.Dense(10, name="logits")]),
+        lambda: averaging.average_weights(_optimizer("sgd"), 0.5), batch_size=32, epochs=3)
+    results = []
+    for model in fitted.values():
+        trained = [w.numpy() for w in model.weights]
+        with averaging.averaged(model):
+            average = [w.numpy() for w in model.weights]
+            loss = model.evaluate(images, labels, verbose=0)
+        results.append((trained, average, loss, [w.numpy() for w in model.weights]))
+    (trained, average, loss, after), (trained3, average3, loss3, after3) = results
+    for a, b in zip(average, average3):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert loss3 == pytest.approx(loss, rel=1e-5)
+    assert not np.allclose(average3[0], trained3[0])  # the average is not the trained weights
+    for a, b in zip(trained3, after3):  # swapped back
+        np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.parametrize("encoder", ["small_cnn", pytest.param("vit_micro_p2", marks=pytest.mark.slow)])
+def test_under_remat_the_recomputed_blocks_gather_again_and_train_as_unsharded(encoder, monkeypatch):
+    """--remat=blocks recomputes each block in the backward pass: under zero3 its weights are gathered again there
+    (more gathers traced than without remat), and the weights end where the unsharded run's do."""
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    read = weights.Chunks.read
+    counted = {"gathers": 0}
+
+    def counting_read(chunks, autocast):
+        counted["gathers"] += chunks.in_replica_context()
+        return read(chunks, autocast)
+
+    monkeypatch.setattr(weights.Chunks, "read", counting_read)
+    trained, gathers = {}, {}
+    for stage, remat in (("none", "blocks"), ("zero3", "blocks"), ("zero3", "none")):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = models.build_classifier(models.build_encoder(encoder, (8, 8, 1), remat=remat), 10)
+            optimizer = _optimizer("sgd")
+            model.compile(optimizer=_sharded(optimizer, stage),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        counted["gathers"] = 0
+        model.fit(images, labels, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        trained[stage, remat], gathers[stage, remat] = [w.numpy() for w in model.weights], counted["gathers"]
+    assert gathers["none", "blocks"] == 0 and gathers["zero3", "blocks"] > gathers["zero3", "none"] > 0, gathers
+    for a, b in zip(trained["none", "blocks"], trained["zero3", "blocks"]):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_accumulation_under_zero3_sums_each_replicas_chunks_and_ends_where_unsharded_does():
+    from tfmp import accumulation
+
+    fitted = _fitted_per_stage(
+        lambda: keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu", name="conv"),
+                                  keras.layers.Flatten(), keras.layers.Dense(15, name="logits")]),
+        lambda: _optimizer("adamw"), prepare=lambda model: accumulation.accumulate_gradients(model, 2), batch_size=32, epochs=4)
+    owner = accumulation.gradient_owner(fitted["zero3"].optimizer, 2)
+    assert owner is not None and owner.stage == "zero3"  # the running sum is each replica's chunks
+    _assert_close(fitted["none"], fitted["zero3"])

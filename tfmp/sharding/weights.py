@@ -1,0 +1,233 @@
+"""ZeRO-3 / FSDP: each replica holds 1/N of every trainable weight; a weight is gathered where it is read.
+
+`shard_weights(variables, layout, ...)` (called by `ShardedOptimizer(stage="zero3").build`) gives each trainable
+float32 Keras variable a new storage in place — the same Python object, so the model, its layers, its optimizer and
+its checkpoints keep their references, paths and logical shapes: the replica's chunk of it (`tfmp.sharding.layout`'s
+flat chunks, one per-replica `ON_READ` variable). The whole mirrored copy is released. `Chunks` is how such a weight
+reads, writes and checkpoints; `tfmp.keras_internals.shard_variable` routes the Keras variable's own methods to it.
+
+Where a layer reads the weight inside `strategy.run` (Keras converts `self.kernel` to a tensor in `call`), every
+replica's chunk is all-gathered — in the compute dtype when Keras' autocast would cast it anyway (bf16/fp16 copies:
+half the bytes moved) — reshaped, and used; nothing keeps the gathered copy but the ops that need it. So the unit of
+gathering is the weight: gathered just before the layer that reads it runs and released after its last use — in the
+backward pass when that pass needs it (a matmul's input gradient does), and under `--remat` the recomputed forward
+gathers again instead of keeping it. The gather's gradient is the reduce-scatter ZeRO needs: each replica receives the
+sum over replicas of its chunk's gradient (a float32 all-reduce of which each replica keeps its chunk off GPUs; NCCL's
+reduce-scatter where `collectives.choose_gradient_reduction` finds GPUs), so `tape.gradient(loss, model.trainable_weights)`
+returns chunks, and `ShardedOptimizer(stage="zero3")` updates each replica's chunks in place, with no collective.
+
+Outside a replica context (eager reads: `get_weights`, `numpy()`, export, evaluation callbacks) a weight reads whole:
+the local replicas' chunks concatenated on one machine, an all-gather across workers. Assigning a whole value (a
+restore, `set_weights`, the moving average swapped in) writes each replica its chunk.
+
+Checkpoints: each weight is saved under its own key with its logical shape, as the slices its replicas hold (a flat
+chunk is a few rectangular boxes of the tensor: `flat_boxes`), and TensorFlow's bundle reader assembles any slice from
+whatever was stored — so a zero3 checkpoint restores into an unsharded model on one device and an unsharded checkpoint
+into zero3 on any number of replicas, with the same keys as Keras' own. Several workers: only the chief's checkpoint is
+kept, so each weight is gathered whole for the save — and TensorFlow evaluates a save's tensors before writing them,
+so every worker holds the whole float32 weights for the length of a save (known limit, measured in BUILD_NOTES.md).
+
+Not sharded: non-trainable variables (BatchNorm's moving statistics: small, and per replica as Keras keeps them),
+variables not in float32 (integer counters), and anything on one replica (nothing to shard).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tfmp import keras_internals
+from tfmp.sharding.layout import Layout
+
+
+def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Elements `[start, stop)` of a row-major tensor of `shape`, flattened, as rectangular boxes `(offsets, lengths)`
+    in flat order: each box is a contiguous run of the range, so the range's values cut in order fill the boxes."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))]
+    row = int(np.prod(shape[1:]))
+    first, last = start // row, (stop - 1) // row
+    if first == last:
+        return [((first, *offsets), (1, *lengths)) for offsets, lengths in flat_boxes(shape[1:], start - first * row,
+                                                                                     stop - first * row)]
+    boxes = []
+    if start % row:
+        boxes += [((first, *offsets), (1, *lengths)) for offsets, lengths in flat_boxes(shape[1:], start % row, row)]
+        first += 1
+    whole_rows_end = stop // row
+    if whole_rows_end > first:
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (whole_rows_end - first, *shape[1:])))
+    if stop % row:
+        boxes += [((whole_rows_end, *offsets), (1, *lengths)) for offsets, lengths in flat_boxes(shape[1:], 0, stop % row)]
+    return boxes
+
+
+def slice_spec(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> str:
+    """TensorFlow's checkpoint slice string: "d0 d1 o0,l0:o1,l1"."""
+    return " ".join(str(dim) for dim in shape) + " " + ":".join(f"{o},{n}" for o, n in zip(offsets, lengths))
+
+
+class Chunks:
+    """How one sharded weight is read, written and checkpointed: its place in the layout, the strategy and the
+    reduction it was sharded under (`tfmp.keras_internals.shard_variable` hands the variable's reads and writes here)."""
+
+    def __init__(self, variable, layout: Layout, index: int, strategy, reduction, replica_ids: list[int]):
+        self.variable, self.layout, self.index = variable, layout, index
+        self.strategy, self.reduction, self.replica_ids = strategy, reduction, replica_ids
+        self.shape = tuple(variable.shape)
+        self.size, self.chunk = layout.sizes[index], layout.chunks[index]
+        self._gather = None
+
+    @property
+    def storage(self):
+        """This replica's chunk (in replica context), or the per-replica variable holding every local one."""
+        return keras_internals.variable_storage(self.variable)
+
+    def local_chunks(self) -> list:
+        return list(self.strategy.experimental_local_results(self.storage))
+
+    @property
+    def one_machine(self) -> bool:
+        return len(self.strategy.extended.worker_devices) == self.strategy.num_replicas_in_sync
+
+    # -------------------------------------------------------------------- reads
+
+    @staticmethod
+    def in_replica_context() -> bool:
+        context = tf.distribute.get_replica_context()
+        return context is not None and context.num_replicas_in_sync > 1
+
+    def read(self, autocast):
+        """The whole weight where a layer reads it: gathered from every replica's chunk inside `strategy.run` (cast by
+        `autocast` first: the compute dtype's bytes move), else `whole()`."""
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:  # cross-replica or the default context: eager reads
+            return self.whole()
+        layout, reduction, size, chunk, shape = self.layout, self.reduction, self.size, self.chunk, self.shape
+        device = self.storage.device
+
+        @tf.custom_gradient
+        def gather(own):
+            with tf.device(device):  # a multi-worker all-gather finds where to gather from its input's device
+                low = tf.identity(autocast(own))
+            if low.dtype == tf.bfloat16:  # TensorFlow's CPU collective gather has no bf16 kernel: the same 16 bits move
+                gathered = tf.bitcast(context.all_gather(tf.bitcast(low, tf.float16), axis=0), tf.bfloat16)
+            else:
+                gathered = context.all_gather(low, axis=0)  # [replicas * chunk], in replica order
+            whole = tf.reshape(gathered[:size], shape)
+
+            def gradient(upstream):  # each replica receives its chunk of the gradient summed over the replicas
+                flat = tf.pad(tf.reshape(tf.cast(upstream, tf.float32), [-1]), [[0, layout.replicas * chunk - size]])
+                packed = tf.reshape(flat, [layout.replicas, chunk])
+                order = reduction.rank_order(context)
+                with tf.device(device):
+                    packed = tf.identity(tf.reshape(packed if order is None else tf.gather(packed, order), [-1]))
+                return reduction.own_chunk(context, packed, layout.replicas)
+
+            return whole, gradient
+
+        return gather(tf.convert_to_tensor(self.storage))
+
+    def whole(self) -> tf.Tensor:
+        """The whole weight in float32, outside a replica context: this process's chunks concatenated, or all-gathered
+        when other workers hold some."""
+        if self.one_machine:
+            flat = tf.concat([tf.convert_to_tensor(chunk) for chunk in self.local_chunks()], axis=0)
+        else:
+            flat = self.strategy.experimental_local_results(self.strategy.run(self._gather_function()))[0]
+        return tf.reshape(flat[:self.size], self.shape)
+
+    def _gather_function(self):
+        if self._gather is None:
+            def gather():
+                with tf.device(self.storage.device):  # a multi-worker all-gather needs its input's device
+                    own = tf.identity(tf.convert_to_tensor(self.storage))
+                return tf.distribute.get_replica_context().all_gather(own, axis=0)
+
+            self._gather = tf.function(gather)
+        return self._gather
+
+    def chunk_of(self, whole, replica) -> tf.Tensor:
+        """Replica `replica`'s chunk of a whole value of this weight (float32, padded)."""
+        flat = tf.pad(tf.reshape(tf.cast(whole, tf.float32), [-1]), [[0, self.layout.replicas * self.chunk - self.size]])
+        return tf.reshape(flat, [self.layout.replicas, self.chunk])[replica]
+
+    # -------------------------------------------------------------------- writes
+
+    def assign_whole(self, value) -> None:
+        """A whole value written (a restore, `set_weights`, an average swapped in): each replica takes its chunk."""
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            self.storage.assign(self.chunk_of(value, context.replica_id_in_sync_group))
+            return
+        for replica, chunk in zip(self.replica_ids, self.local_chunks()):
+            chunk.assign(self.chunk_of(value, replica))
+
+    def assign_chunk(self, chunk) -> None:
+        """This replica's updated chunk (inside `strategy.run`: the sharded optimizer's update)."""
+        self.storage.assign(chunk)
+
+    # -------------------------------------------------------------------- checkpoints
+
+    def _boxes(self, replica: int):
+        return flat_boxes(self.shape, *self.layout.held_range(self.index, replica))
+
+    def saved_slices(self) -> list:
+        """`(slice spec, tensor or a function giving it, device)` for each slice this process saves: the boxes of its
+        replicas' chunks on one machine; the whole weight, gathered, with several workers (the chief's is kept)."""
+        if not self.one_machine or not self.shape:
+            device = self.local_chunks()[0].device
+            return [("", lambda: self.whole(), device)]
+        slices = []
+        for replica, chunk in zip(self.replica_ids, self.local_chunks()):
+            position = 0
+            for offsets, lengths in self._boxes(replica):
+                count = int(np.prod(lengths))
+                slices.append((slice_spec(self.shape, offsets, lengths),
+                               lambda chunk=chunk, position=position, count=count, lengths=lengths:
+                               tf.reshape(tf.convert_to_tensor(chunk)[position:position + count], lengths), chunk.device))
+                position += count
+        return slices
+
+    def restore_slices(self, tensors: list) -> None:
+        """Writes back what `saved_slices` named, read by TensorFlow from whatever layout saved it."""
+        if not self.one_machine or not self.shape:
+            self.assign_whole(tensors[0])
+            return
+        position = 0
+        for replica, chunk in zip(self.replica_ids, self.local_chunks()):
+            boxes = self._boxes(replica)
+            parts = [tf.reshape(tensor, [-1]) for tensor in tensors[position:position + len(boxes)]]
+            position += len(boxes)
+            values = tf.concat(parts, axis=0) if parts else tf.zeros([0])
+            chunk.assign(tf.pad(tf.cast(values, tf.float32), [[0, self.chunk - int(values.shape[0])]]))
+
+
+def is_sharded(variable) -> bool:
+    return getattr(variable, "sharded_storage", False)
+
+
+def shardable(variable) -> bool:
+    """Trainable float32 weights are sharded; the rest stays whole on every replica."""
+    return bool(variable.trainable) and tf.dtypes.as_dtype(variable.dtype) == tf.float32
+
+
+def shard_weights(variables: list, layout: Layout, strategy, reduction, replica_ids: list[int]) -> None:
+    """Replaces each shardable variable's whole mirrored storage with per-replica chunks, in place (see the module
+    docstring). `layout` is over all `variables` (their logical sizes); `replica_ids` are this process's replicas'
+    global ids, in `experimental_local_results` order."""
+    for index, variable in enumerate(variables):
+        if is_sharded(variable) or not shardable(variable):
+            continue
+        chunk = layout.chunks[index]
+        whole = tf.reshape(tf.convert_to_tensor(keras_internals.variable_storage(variable)), [-1])  # every copy is equal
+        padded = tf.reshape(tf.pad(whole, [[0, layout.replicas * chunk - layout.sizes[index]]]), [layout.replicas, chunk])
+        with strategy.scope():
+            storage = tf.Variable(tf.zeros([chunk]), trainable=True, name=variable.name,
+                                  synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.NONE)
+        for replica, component in zip(replica_ids, strategy.experimental_local_results(storage)):
+            component.assign(padded[replica])
+        del whole, padded
+        keras_internals.shard_variable(variable, storage, Chunks(variable, layout, index, strategy, reduction, replica_ids))
