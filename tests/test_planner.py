@@ -58,6 +58,23 @@ def test_on_several_replicas_the_plan_names_the_sharding_stages_that_fit():
     assert "--sharding" not in summary(200, replicas=1)
 
 
+def test_a_state_too_large_for_one_device_is_sent_to_zero3_with_the_replicas_it_needs():
+    """usable 300 MiB; weights 120, gradients 120, AdamW state 240 MiB: 480 MiB of state, 50 MiB of activations."""
+    def summary(precision, replicas):
+        estimate = MemoryEstimate(precision, 64, 120 * MIB, 120 * MIB, 240 * MIB, 50 * MIB)
+        return planner.plan(lambda mode: estimate, device_bytes=400 * MIB, remat="none", per_replica_batch=64,
+                            replicas=replicas).summary()
+
+    # bf16: zero3 on 2 replicas holds 60 + 60 + 120 MiB, plus the activations (the 16-bit copies among them): 290 MiB.
+    assert summary("mixed_bfloat16", 2).endswith("needs --sharding=zero3 (290 MiB, weights, gradients and optimizer "
+                                                 "state split over 2 replicas)")
+    # float32: the gathered float32 weights a backward pass needs are held too (410 MiB): the state fits on 2.
+    assert summary("float32", 2).endswith("needs --sharding=zero3 on at least 2 replicas for the state alone (then add "
+                                          "--remat or smaller batches as the activations need)")
+    # One replica to shard over: the plan still names how many zero3 needs.
+    assert "needs --sharding=zero3 on at least 2 replicas" in summary("mixed_bfloat16", 1)
+
+
 @pytest.mark.parametrize("device_bytes, usable", [(2 ** 10, "768 bytes usable of 1 KiB"), (2 ** 20, "768 KiB usable of 1 MiB"),
                                                   (2 ** 40, "768 GiB usable of 1 TiB"), (1536 * MIB, "1.12 GiB usable of 1.5 GiB")])
 def test_the_plan_reads_its_figures_in_units_that_fit_their_size(device_bytes, usable):

@@ -13,8 +13,9 @@ in step time, is measured in BUILD_NOTES.md, "Memory planner".
 On several replicas of an unsharded run it also names the sharding stages that fit: `--sharding=zero1` (the optimizer
 state split over the replicas: no measurable step-time cost, BUILD_NOTES.md) first when it alone makes the run fit,
 and `--sharding=zero2` with the fewest micro-batches when that needs fewer than accumulating unsharded (the running
-sum of the gradients split too). Where the weights, gradients and optimizer state alone do not fit, it says so, and
-what zero1 would leave; tfmp does not shard the weights yet.
+sum of the gradients split too). `--sharding=zero3` (the weights and gradients
+split too) where zero1 is not enough; and where the weights, gradients and optimizer state alone do not fit, on how
+many replicas zero3 would hold them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import subprocess
 from typing import Callable
 
 USABLE_FRACTION = 0.75
+MAX_REPLICAS_NAMED = 1024  # the most replicas a plan names for zero3
 REMAT_BY_COST = ("none", "blocks", "full")
 
 
@@ -67,6 +69,8 @@ class Plan:
     replicas: int = 1  # replicas an unsharded run could shard over (1: already sharded, or one replica)
     zero1_total: int = 0  # the run's total with --sharding=zero1 (0: not offered)
     zero2_accumulation_totals: dict[int, int] = dataclasses.field(default_factory=dict)  # steps -> bytes under zero2
+    zero3_total: int = 0  # the run's total with --sharding=zero3 on its replicas (0: not offered)
+    zero3_replicas: int = 0  # the fewest replicas whose zero3 state (weights, gradients, optimizer) fits (0: none)
 
     @property
     def smallest_fitting_accumulation(self) -> int:
@@ -100,10 +104,16 @@ class Plan:
                          f"({readable_bytes(self.accumulation_totals[steps])}) and is faster")
             return f"memory plan: fits: {own} ({budget}){hint}"
         if self.state_bytes > self.usable_bytes:
-            sharding = (f"; --sharding=zero1 would leave {readable_bytes(self.zero1_state_bytes)}"
-                        if self.zero1_state_bytes < self.state_bytes else "")
+            if self.zero3_total and self.zero3_total <= self.usable_bytes:
+                needs = (f"; needs --sharding=zero3 ({readable_bytes(self.zero3_total)}, weights, gradients and optimizer "
+                         f"state split over {self.replicas} replicas)")
+            elif self.zero3_replicas:
+                needs = (f"; needs --sharding=zero3 on at least {self.zero3_replicas} replicas for the state alone "
+                         f"(then add --remat or smaller batches as the activations need)")
+            else:
+                needs = "; too large even split over every replica: a smaller model"
             return (f"memory plan: does not fit: weights, gradients and optimizer state alone take {readable_bytes(self.state_bytes)} "
-                    f"({budget}){sharding}; tfmp does not shard weights or gradients (see BUILD_NOTES.md)")
+                    f"({budget}){needs}")
         cheaper = self.cheapest_fitting
         options = []
         if self.zero1_total and self.zero1_total <= self.usable_bytes:  # no extra compute: named first
@@ -120,6 +130,9 @@ class Plan:
         if sharded_steps > 1 and (not steps or sharded_steps < steps):
             options.append(f"--sharding=zero2 with --gradient_accumulation_steps={sharded_steps} "
                            f"({readable_bytes(self.zero2_accumulation_totals[sharded_steps])})")
+        if self.zero3_total and self.zero3_total <= self.usable_bytes and not (self.zero1_total and self.zero1_total <= self.usable_bytes):
+            options.append(f"--sharding=zero3 ({readable_bytes(self.zero3_total)}, weights, gradients and optimizer state "
+                           f"split over {self.replicas} replicas)")
         if self.largest_batch:
             options.append(f"at most {self.largest_batch} images/replica with --remat={self.remat}")
         return f"memory plan: does not fit: {own} ({budget}); needs {' or '.join(options) or 'a smaller model'}"
@@ -161,5 +174,14 @@ def plan(estimate: Callable[[str], object], device_bytes: int, remat: str, per_r
     sharded_accumulator = 2 * -(-own.gradients_bytes // replicas)
     zero2_totals = {steps: total - saved_state - (accumulator - sharded_accumulator if steps > 1 else 0)
                     for steps, total in accumulation_totals.items()} if replicas > 1 else {}
+    # zero3: the trainable weights and their gradients split too; in float32 the gathered weights a backward pass
+    # needs are held until it runs (under a mixed policy the 16-bit copies are counted already: `estimate_memory`).
+    trainable = own.gradients_bytes
+    gathered = trainable if own.precision == "float32" else 0
+    zero3_total = (own.total_bytes - saved_state - 2 * (trainable - -(-trainable // replicas)) + gathered) if replicas > 1 else 0
+    non_trainable = own.params_bytes - trainable
+    zero3_replicas = next((count for count in range(2, MAX_REPLICAS_NAMED + 1)
+                           if non_trainable + 2 * -(-trainable // count) + -(-own.optimizer_bytes // count) <= usable), 0)
     return Plan(device_bytes, remat, per_replica_batch, totals, state, max(0, largest), zero1_state, accumulation_steps,
-                accumulation_totals, replicas, own.total_bytes - saved_state if replicas > 1 else 0, zero2_totals)
+                accumulation_totals, replicas, own.total_bytes - saved_state if replicas > 1 else 0, zero2_totals,
+                zero3_total, zero3_replicas)
