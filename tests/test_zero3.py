@@ -333,3 +333,12 @@ def test_gradient_accumulation_under_zero3_sums_each_replicas_chunks_and_ends_wh
     owner = accumulation.gradient_owner(fitted["zero3"].optimizer, 2)
     assert owner is not None and owner.stage == "zero3"  # the running sum is each replica's chunks
     _assert_close(fitted["none"], fitted["zero3"])
+
+
+def test_a_trainable_weight_zero3_cannot_shard_is_refused_in_one_line():
+    strategy = distribute.get_strategy("mirrored")
+    with strategy.scope():
+        half = keras.Variable(np.ones(4), dtype="float16", trainable=True, name="half")
+        optimizer = sharding.ShardedOptimizer(keras.optimizers.SGD(0.1), stage="zero3")
+    with pytest.raises(ValueError, match=r"^sharding=zero3 shards trainable float32 weights; not: half"):
+        optimizer.build([half])

@@ -72,8 +72,9 @@ STAGES = tuple(stage for stage in SHARDING_STAGES if stage != "none")
 
 @keras.saving.register_keras_serializable(package="tfmp")
 class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Optimizer):
-    """ZeRO stages 1 and 2: each replica holds and updates the optimizer state of its chunk of every variable
-    (and under zero2 sums only its chunks of the accumulated gradients).
+    """ZeRO stages 1 to 3: each replica holds and updates the optimizer state of its chunk of every variable
+    (under zero2 it also sums only its chunks of the accumulated gradients; under zero3 it also holds only its chunks
+    of the weights, `tfmp.sharding.weights`).
 
     Args:
         inner: the optimizer whose update rule is applied (AdamW, Adam, SGD or `tfmp.optimizers.LARS`); it owns the
@@ -82,8 +83,8 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
             where every replica is a GPU, an all-reduce elsewhere), "all_reduce" or "reduce_scatter".
         global_clipnorm: clip the summed gradient to this global norm (`tfmp.clipping`: the norm summed across every
             replica's chunks); None takes the inner optimizer's own `global_clipnorm`.
-        stage: "zero1" or "zero2" (see the module docstring). Their checkpoints hold the same state: one restores
-            into the other.
+        stage: "zero1", "zero2" or "zero3" (see the module docstring). Their checkpoints hold the same state: one
+            restores into another.
     """
 
     def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str | None = None,
@@ -155,8 +156,12 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
                 # Keras decides weight decay by a variable's storage: decided while the storage is whole.
                 self.held.decays = [bool(getattr(self.inner, "weight_decay", None))
                                     and keras_internals.uses_weight_decay(self.inner, variable) for variable in variables]
+                unshardable = [getattr(variable, "path", variable.name) for variable in variables
+                               if not weights_module.shardable(variable)]
+                if unshardable:  # their gradients would arrive whole where the step expects chunks
+                    raise ValueError(f"sharding=zero3 shards trainable float32 weights; not: {', '.join(unshardable)}")
                 weights_module.shard_weights(self.variables_in_order, self.layout, strategy, self.held.reduction,
-                                      checkpoint_state.local_replica_ids(strategy))
+                                             checkpoint_state.local_replica_ids(strategy))
             # Per-replica buffers: each replica's copy holds its own chunks' state (not a copy of the others').
             with strategy.scope():
                 self.held.buffers = {name: tf.Variable(tf.zeros([self.layout.elements]), trainable=False, name=f"zero1_{name}",
