@@ -63,10 +63,10 @@ STRATEGIES = ("auto", "off", "one_device", "mirrored", "multi_worker_mirrored", 
 OPTIMIZERS = ("adamw", "sgd", "lars")
 LEARNING_RATE_SCALINGS = ("none", "linear", "sqrt")
 # What is sharded across replicas, by ZeRO's stage names (tfmp.sharding).
+SHARDING_STAGES = ("none", "zero1", "zero2", "zero3")
 # Stages whose checkpoints hold the same state (the weights under Keras' own keys, the optimizer state per variable in
 # `tfmp.sharding.checkpoint_state`): a run may resume under another of them. `none` keeps Keras' optimizer slots.
 SHARED_CHECKPOINT_STAGES = ("zero1", "zero2", "zero3")
-SHARDING_STAGES = ("none", "zero1", "zero2", "zero3")
 # Settings renamed: old name -> (new name, the values the old name took). Old config.json files and flags still work.
 RENAMED_SETTINGS = {"optimizer_sharding": ("sharding", ("none", "zero1"))}
 REMAT_MODES = ("none", "blocks", "full")

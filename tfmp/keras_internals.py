@@ -296,7 +296,7 @@ class _ShardedVariable:
     sharded_storage = True  # `tfmp.distribute.check_replica_consistency`: the chunks differ by design
 
     @property
-    def value(self):
+    def value(self):  # Keras' own `numpy`, `__array__` and `__tf_tensor__` read through it: whole outside a step
         from keras.src.backend.common import stateless_scope
 
         if stateless_scope.in_stateless_scope():
@@ -309,23 +309,9 @@ class _ShardedVariable:
     def handle(self):  # what GradientTape watches: this replica's chunk
         return self._value.handle
 
-    def __tf_tensor__(self, dtype=None, name=None):
-        import tensorflow as tf
-
-        return tf.convert_to_tensor(self.value, dtype=dtype, name=name)
-
-    def __array__(self, dtype=None, copy=None):
-        import numpy as np
-
-        del copy
-        return np.asarray(self.numpy(), dtype=dtype)
-
     @property
     def _shared_name(self):
         return self._value._shared_name
-
-    def numpy(self):
-        return self.sharded.whole().numpy()
 
     def _direct_assign(self, value):
         self.sharded.assign_whole(value)

@@ -110,9 +110,8 @@ def update(optimizer, variable, weight, gradient, slots: dict, learning_rate, st
     weight decay is Keras' (its exclusions decided by `uses_weight_decay`, from `tfmp.keras_internals`, unless `decays`
     says it: decided before a variable's storage became chunks). `weight`, `gradient` and the slots may be a shard of
     the variable (flat); LARS then takes the whole variable's `norms`."""
-    if decays is None:
-        decays = bool(getattr(optimizer, "weight_decay", None)) and keras_internals.uses_weight_decay(optimizer, variable)
-    if not is_lars(optimizer) and getattr(optimizer, "weight_decay", None) and decays:
+    if not is_lars(optimizer) and getattr(optimizer, "weight_decay", None) and (
+            decays if decays is not None else keras_internals.uses_weight_decay(optimizer, variable)):
         weight = decoupled_weight_decay(weight, learning_rate=learning_rate, weight_decay=optimizer.weight_decay)
     if isinstance(optimizer, keras.optimizers.Adam):
         weight, momentum, velocity = adam(weight, gradient, slots["momentum"], slots["velocity"], learning_rate=learning_rate,

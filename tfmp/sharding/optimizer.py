@@ -153,13 +153,12 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
                 self.inner.build(variables)
         else:
             if self.stage == "zero3":  # the weights themselves become per-replica chunks, in place
-                # Keras decides weight decay by a variable's storage: decided while the storage is whole.
-                self.held.decays = [bool(getattr(self.inner, "weight_decay", None))
-                                    and keras_internals.uses_weight_decay(self.inner, variable) for variable in variables]
                 unshardable = [getattr(variable, "path", variable.name) for variable in variables
                                if not weights_module.shardable(variable)]
                 if unshardable:  # their gradients would arrive whole where the step expects chunks
                     raise ValueError(f"sharding=zero3 shards trainable float32 weights; not: {', '.join(unshardable)}")
+                # Keras decides weight decay by a variable's storage: decided while the storage is whole.
+                self.held.decays = [keras_internals.uses_weight_decay(self.inner, variable) for variable in variables]
                 weights_module.shard_weights(self.variables_in_order, self.layout, strategy, self.held.reduction,
                                              checkpoint_state.local_replica_ids(strategy))
             # Per-replica buffers: each replica's copy holds its own chunks' state (not a copy of the others').
@@ -308,8 +307,6 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
     def _update_bucket(self, context, bucket, gradients, grads, learning_rate, step, states):
         layout, variables = self.layout, self.variables_in_order
         replica = context.replica_id_in_sync_group
-        starts = np.cumsum([0] + [layout.chunks[index] for index in bucket])
-        sharded = self.stage == "zero3"
         weights = [self._own_weight(variables[index], index, replica) for index in bucket]
         norms = self._lars_norms(context, bucket, weights, gradients)
         new_weights = []
@@ -328,11 +325,11 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
             new_weights.append(weight)
             for name in self.slot_names:
                 states[name][index] = slots[name]
-        if sharded:  # zero3: each replica keeps its updated chunks; the next forward pass gathers them
-            for index, weight in zip(bucket, new_weights):
-                if weights_module.is_sharded(variables[index]):
-                    variables[index].sharded.assign_chunk(weight)
+        if self.stage == "zero3":  # each replica keeps its updated chunks (every weight is one: `build`); the next
+            for index, weight in zip(bucket, new_weights):  # forward pass gathers them
+                variables[index].sharded.assign_chunk(weight)
             return
+        starts = np.cumsum([0] + [layout.chunks[index] for index in bucket])
         gathered = context.all_gather(tf.concat(new_weights, axis=0)[None], axis=0)  # [replicas, bucket chunk]
         values = []
         for start, index in zip(starts, bucket):
@@ -342,7 +339,7 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
 
     def _own_weight(self, variable, index: int, replica):
         """This replica's chunk of a variable's weight, float32: its own storage under zero3, else cut from the whole."""
-        if weights_module.is_sharded(variable):
+        if self.stage == "zero3":
             return tf.convert_to_tensor(variable.sharded.storage)
         return tf.gather(self._chunked(variable.value, index), replica)
 

@@ -102,16 +102,15 @@ class Chunks:
     def read(self, autocast):
         """The whole weight where a layer reads it: gathered from every replica's chunk inside `strategy.run` (cast by
         `autocast` first: the compute dtype's bytes move), else `whole()`."""
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:  # cross-replica or the default context: eager reads
+        if not self.in_replica_context():  # cross-replica or the default context: eager reads
             return self.whole()
+        context = tf.distribute.get_replica_context()
         layout, reduction, size, chunk, shape = self.layout, self.reduction, self.size, self.chunk, self.shape
         device = self.storage.device
 
         @tf.custom_gradient
         def gather(own):
-            with tf.device(device):  # a multi-worker all-gather finds where to gather from its input's device
-                low = tf.identity(autocast(own))
+            low = _placed(autocast(own), device)
             if low.dtype == tf.bfloat16:  # TensorFlow's CPU collective gather has no bf16 kernel: the same 16 bits move
                 gathered = tf.bitcast(context.all_gather(tf.bitcast(low, tf.float16), axis=0), tf.bfloat16)
             else:
@@ -122,8 +121,7 @@ class Chunks:
                 flat = tf.pad(tf.reshape(tf.cast(upstream, tf.float32), [-1]), [[0, layout.replicas * chunk - size]])
                 packed = tf.reshape(flat, [layout.replicas, chunk])
                 order = reduction.rank_order(context)
-                with tf.device(device):
-                    packed = tf.identity(tf.reshape(packed if order is None else tf.gather(packed, order), [-1]))
+                packed = _placed(tf.reshape(packed if order is None else tf.gather(packed, order), [-1]), device)
                 return reduction.own_chunk(context, packed, layout.replicas)
 
             return whole, gradient
@@ -141,12 +139,8 @@ class Chunks:
 
     def _gather_function(self):
         if self._gather is None:
-            def gather():
-                with tf.device(self.storage.device):  # a multi-worker all-gather needs its input's device
-                    own = tf.identity(tf.convert_to_tensor(self.storage))
-                return tf.distribute.get_replica_context().all_gather(own, axis=0)
-
-            self._gather = tf.function(gather)
+            self._gather = tf.function(lambda: tf.distribute.get_replica_context().all_gather(
+                _placed(tf.convert_to_tensor(self.storage), self.storage.device), axis=0))
         return self._gather
 
     def chunk_of(self, whole, replica) -> tf.Tensor:
@@ -203,6 +197,13 @@ class Chunks:
             position += len(boxes)
             values = tf.concat(parts, axis=0) if parts else tf.zeros([0])
             chunk.assign(tf.pad(tf.cast(values, tf.float32), [[0, self.chunk - int(values.shape[0])]]))
+
+
+def _placed(tensor, device) -> tf.Tensor:
+    """`tensor` on `device`: a multi-worker collective finds where it runs from its input's device, which a tensor
+    read in a traced replica function may lack."""
+    with tf.device(device):
+        return tf.identity(tensor)
 
 
 def is_sharded(variable) -> bool:
