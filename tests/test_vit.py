@@ -206,14 +206,24 @@ def test_an_image_size_that_is_not_a_multiple_of_the_patch_is_refused():
 
 
 def _operation_dtypes(encoder, shape):
-    """(op type, dtype) -> count over the traced training forward pass."""
+    """(op type, dtype) -> count over the traced training forward pass, the bodies of the functions it calls (the
+    fused GELU's and LayerNorm's XLA programs) counted at each call."""
     forward = tf.function(lambda images: encoder(images, training=True), autograph=False)
-    graph = forward.get_concrete_function(tf.TensorSpec((2, *shape), tf.float32)).graph
+    graph_def = forward.get_concrete_function(tf.TensorSpec((2, *shape), tf.float32)).graph.as_graph_def()
+    bodies = {function.signature.name: function.node_def for function in graph_def.library.function}
     counts = {}
-    for operation in graph.get_operations():
-        dtype = next((operation.get_attr(name) for name in ("T",) if name in operation.node_def.attr), None)
-        key = (operation.type, getattr(dtype, "name", None))
-        counts[key] = counts.get(key, 0) + 1
+
+    def count(nodes):
+        for node in nodes:
+            called = node.attr["f"].func.name if "f" in node.attr else ""
+            if called in bodies:
+                count(bodies[called])
+                continue
+            single = "T" in node.attr and node.attr["T"].WhichOneof("value") == "type"  # not a list of dtypes
+            dtype = tf.dtypes.as_dtype(node.attr["T"].type).name if single else None
+            counts[(node.op, dtype)] = counts.get((node.op, dtype), 0) + 1
+
+    count(graph_def.node)
     return counts
 
 
@@ -228,6 +238,7 @@ def test_mixed_precision_keeps_softmax_and_layer_norm_in_float32_and_matmuls_low
     assert softmax == {"float32"}, counts  # attention probabilities
     assert {dtype for kind, dtype in counts if kind == "Rsqrt"} == {"float32"}  # LayerNorm's statistics
     assert sum(count for (kind, _), count in counts.items() if kind == "Rsqrt") == 2 * size.depth + 1
+    assert {dtype for kind, dtype in counts if kind == "Erf"} == {"float32"}  # the GELU (tfmp.models.fused)
     matmuls = {dtype for kind, dtype in counts if kind in ("MatMul", "BatchMatMulV2", "Einsum")}
     assert matmuls == {low}, (kinds, counts)
     assert all(weight.dtype == "float32" for weight in encoder.weights)  # float32 master weights

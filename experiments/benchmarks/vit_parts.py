@@ -9,15 +9,21 @@ calls after `--warmup` calls, in a process of its own per (framework, precision)
 round. tfmp's parts run as a `tf.function` under the Keras policy (`mixed_bfloat16` for bf16); PyTorch's in eager mode
 under `torch.autocast("cpu", torch.bfloat16)` (as the peer benchmark `torch_vit_peer.py` steps). Parts:
 
-    layer_norm      LayerNormalization / nn.LayerNorm
-    attention       MultiHeadAttention (q, k, v, output projections) / Linear qkv + scaled_dot_product_attention + Linear
-    mlp             Dense(1536, gelu) + Dense(384) / Linear + GELU + Linear
-    mlp_no_gelu     the MLP with its activation removed
-    gelu            the exact GELU alone on the (8, 197, 1536) hidden tensor
-    gelu_tanh       its tanh approximation (a different function: the opt-in candidate)
-    gelu_float32    the exact GELU of the bf16 tensor computed in float32 and cast back (the same function in bf16)
-    block           one pre-norm transformer block (all of the above and the residuals)
-    adamw_update    AdamW's apply over ViT-S/16's 21.7M parameters as one matrix (one update, gradients given)
+    layer_norm        tfmp's LayerNormalization (`tfmp.models.fused`) / nn.LayerNorm
+    layer_norm_keras  Keras' own LayerNormalization / nn.LayerNorm
+    attention         MultiHeadAttention (q, k, v, output projections) / Linear qkv + scaled_dot_product_attention + Linear
+    mlp               tfmp's Dense(1536, gelu) + Dense(384) / Linear + GELU + Linear
+    mlp_keras         Keras' own Dense(1536, gelu) + Dense(384) / Linear + GELU + Linear
+    mlp_no_gelu       the MLP with its activation removed
+    gelu              the exact GELU alone on the (8, 197, 1536) hidden tensor: `tfmp.models.fused.gelu` / F.gelu
+    gelu_keras        the same with TensorFlow's `tf.nn.gelu` (Keras' own) / F.gelu
+    gelu_tanh         its tanh approximation (a different function)
+    gelu_float32      the exact GELU of the bf16 tensor computed by TensorFlow in float32 and cast back
+    block             one pre-norm transformer block as tfmp builds it (all of the above and the residuals)
+    block_keras       the same block from Keras' own LayerNormalization and Dense
+    adamw_update      AdamW's apply over ViT-S/16's 21.7M parameters as one matrix (one update, gradients given)
+
+PyTorch's figure for a `_keras` part is its figure for the part without the suffix (the same PyTorch module).
 
 Prints one JSON line per (framework, precision, part, round), then a table of medians over rounds. PyTorch is never a
 tfmp dependency: it is imported only in the child processes that time it.
@@ -35,7 +41,8 @@ import time
 
 BATCH, TOKENS, WIDTH, HEADS, MLP = 8, 197, 384, 6, 1536
 VIT_S16_PARAMETERS = 21_664_512  # tfmp's vit_small_p16 encoder (tests/test_vit.py derives it from timm's count)
-PARTS = ("layer_norm", "attention", "mlp", "mlp_no_gelu", "gelu", "gelu_tanh", "gelu_float32", "block", "adamw_update")
+PARTS = ("layer_norm", "layer_norm_keras", "attention", "mlp", "mlp_keras", "mlp_no_gelu", "gelu", "gelu_keras", "gelu_tanh",
+         "gelu_float32", "block", "block_keras", "adamw_update")
 
 
 def _median_ms(call, warmup: int, repeats: int) -> float:
@@ -62,14 +69,16 @@ def time_tf(precision: str, warmup: int, repeats: int) -> dict[str, float]:
     x = tf.cast(np.random.default_rng(0).normal(size=(BATCH, TOKENS, WIDTH)).astype("float32"), compute)
     hidden = tf.constant(np.random.default_rng(1).normal(size=(BATCH, TOKENS, MLP)).astype("float32"))
 
-    def mlp(activation):
-        dense_in, dense_out = layers.Dense(MLP, activation=activation), layers.Dense(WIDTH)
+    from tfmp.models import fused
+
+    def mlp(activation, dense=fused.Dense):
+        dense_in, dense_out = dense(MLP, activation=activation), layers.Dense(WIDTH)
         return lambda inputs: dense_out(dense_in(inputs))
 
-    def block():
-        attention_norm, mlp_norm = layers.LayerNormalization(epsilon=1e-6), layers.LayerNormalization(epsilon=1e-6)
+    def block(norm=fused.LayerNormalization, dense=fused.Dense):
+        attention_norm, mlp_norm = norm(epsilon=1e-6), norm(epsilon=1e-6)
         attention = layers.MultiHeadAttention(HEADS, key_dim=WIDTH // HEADS)
-        feed_forward = mlp("gelu")
+        feed_forward = mlp("gelu", dense)
 
         def call(inputs):
             y = attention_norm(inputs)
@@ -78,8 +87,11 @@ def time_tf(precision: str, warmup: int, repeats: int) -> dict[str, float]:
         return call
 
     attention_layer = layers.MultiHeadAttention(HEADS, key_dim=WIDTH // HEADS)
-    builders = {"layer_norm": lambda: layers.LayerNormalization(epsilon=1e-6), "attention": lambda: lambda y: attention_layer(y, y),
-                "mlp": lambda: mlp("gelu"), "mlp_no_gelu": lambda: mlp(None), "block": block}
+    builders = {"layer_norm": lambda: fused.LayerNormalization(epsilon=1e-6),
+                "layer_norm_keras": lambda: layers.LayerNormalization(epsilon=1e-6),
+                "attention": lambda: lambda y: attention_layer(y, y), "mlp": lambda: mlp("gelu"),
+                "mlp_keras": lambda: mlp("gelu", layers.Dense), "mlp_no_gelu": lambda: mlp(None), "block": block,
+                "block_keras": lambda: block(layers.LayerNormalization, layers.Dense)}
     results = {}
     for part, build in builders.items():
         layer = build()
@@ -95,7 +107,8 @@ def time_tf(precision: str, warmup: int, repeats: int) -> dict[str, float]:
 
         results[part] = _median_ms(step, warmup, repeats)
 
-    gelus = {"gelu": lambda t: tf.nn.gelu(t, approximate=False), "gelu_tanh": lambda t: tf.nn.gelu(t, approximate=True),
+    gelus = {"gelu": fused.gelu, "gelu_keras": lambda t: tf.nn.gelu(t, approximate=False),
+             "gelu_tanh": lambda t: tf.nn.gelu(t, approximate=True),
              "gelu_float32": lambda t: tf.cast(tf.nn.gelu(tf.cast(t, tf.float32), approximate=False), t.dtype)}
     source = tf.cast(hidden, compute)
     for part, gelu in gelus.items():
@@ -203,13 +216,15 @@ def main() -> None:
                 print(json.dumps({"round": round_index, **record}), flush=True)
                 for part, milliseconds in record["milliseconds"].items():
                     figures.setdefault((precision, part, framework), []).append(milliseconds)
+                    if framework == "torch" and f"{part}_keras" in PARTS:
+                        figures.setdefault((precision, f"{part}_keras", framework), []).append(milliseconds)
     print(f"\nmedians of {args.rounds} rounds, ms per call (forward + backward; the update alone for adamw_update)")
-    print(f"{'precision':<10}{'part':<14}{'tfmp':>9}{'PyTorch':>9}{'tfmp/PyTorch':>14}")
+    print(f"{'precision':<10}{'part':<18}{'tfmp':>9}{'PyTorch':>9}{'tfmp/PyTorch':>14}")
     for precision in precisions:
         for part in PARTS:
             tf_ms = statistics.median(figures[(precision, part, "tf")])
             torch_ms = statistics.median(figures[(precision, part, "torch")])
-            print(f"{precision:<10}{part:<14}{tf_ms:>9.2f}{torch_ms:>9.2f}{tf_ms / torch_ms:>13.2f}x")
+            print(f"{precision:<10}{part:<18}{tf_ms:>9.2f}{torch_ms:>9.2f}{tf_ms / torch_ms:>13.2f}x")
 
 
 if __name__ == "__main__":

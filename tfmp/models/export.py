@@ -1,30 +1,35 @@
 """Models anyone can load: tfmp's layers swapped for Keras' own, weights and statistics carried over.
 
-tfmp trains with four layers of its own (`tfmp>BatchNormalization`, the fused kernel;
+tfmp trains with layers of its own (`tfmp>BatchNormalization`, the fused kernel;
 `tfmp>Conv2D`, a tap-matmul weight gradient where measured faster; `tfmp>CheckpointedBlock`,
 activation checkpointing; `tfmp>PatchEmbedding`, a ViT's patches and position embedding at any
-resolution). A `.keras` file holding them loads only where tfmp is imported.
+resolution; `tfmp>Dense` and `tfmp>LayerNormalization`, a ViT's GELU and LayerNorm as XLA programs). A `.keras` file
+holding them loads only where tfmp is imported.
 `portable(model)` returns the same network built from Keras layers only — Keras'
-`BatchNormalization` with the same settings, gamma, beta and moving statistics; Keras' `Conv2D`
-with the same config and kernel; each checkpointed block inlined as the plain sub-model it
-wraps; a ViT's patch embedding as Keras' Reshape / Permute / Reshape / EinsumDense at the resolution its position
+`BatchNormalization` with the same settings, gamma, beta and moving statistics; Keras' `Conv2D`,
+`Dense` and `LayerNormalization` with the same config and weights; each checkpointed block inlined as the plain
+sub-model it wraps; a ViT's patch embedding as Keras' Reshape / Permute / Reshape / EinsumDense at the resolution its position
 embedding was learned at — so `keras.saving.load_model` loads it in safe mode without tfmp and computes what the
 trained model computes (tfmp's BatchNorm differs from Keras' only in round-off:
 tests/test_export.py).
 
 Each layer keeps its dtype policy: an encoder trained under `mixed_bfloat16` is exported
 with bf16 compute and float32 weights (say `keras.models.clone_model` with another policy
-to change it). `adopt(model)` is the way back, for fine-tuning with tfmp's fused BatchNorm and Conv2D.
+to change it). `adopt(model)` is the way back, for fine-tuning with tfmp's fused BatchNorm, Conv2D, GELU and LayerNorm.
 """
 
 from __future__ import annotations
 
 import keras
 
-from tfmp.models import vit
+from tfmp.models import fused, vit
 from tfmp.models.conv import Conv2D
 from tfmp.models.layers import BatchNormalization
 from tfmp.models.remat import CheckpointedBlock
+
+
+KERAS_OF_FUSED = {fused.Dense: keras.layers.Dense, fused.LayerNormalization: keras.layers.LayerNormalization}
+FUSED_OF_KERAS = {keras_class: fused_class for fused_class, keras_class in KERAS_OF_FUSED.items()}
 
 
 def _clone(model: keras.Model, replace, call=None, input_tensors=None) -> keras.Model:
@@ -48,6 +53,8 @@ def portable(model: keras.Model) -> keras.Model:
             config = layer.get_config()
             config.pop("conv_weight_gradient")
             return keras.layers.Conv2D.from_config(config)
+        if type(layer) in KERAS_OF_FUSED:  # the same config; only the computation differs
+            return KERAS_OF_FUSED[type(layer)].from_config(layer.get_config())
         if isinstance(layer, CheckpointedBlock):
             return portable(layer.block)
         if isinstance(layer, keras.Model):
@@ -78,6 +85,9 @@ def adopt(model: keras.Model, conv_weight_gradient: str = "auto") -> keras.Model
             return BatchNormalization.from_config(layer.get_config())
         if type(layer) is keras.layers.Conv2D:
             return Conv2D.from_config({**layer.get_config(), "conv_weight_gradient": conv_weight_gradient})
+        if type(layer) is keras.layers.LayerNormalization or (type(layer) is keras.layers.Dense
+                                                              and layer.get_config()["activation"] == "gelu"):
+            return FUSED_OF_KERAS[type(layer)].from_config(layer.get_config())
         if isinstance(layer, keras.Model):
             return adopt(layer, conv_weight_gradient)
         return layer.__class__.from_config(layer.get_config())

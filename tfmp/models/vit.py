@@ -5,7 +5,7 @@ transformer blocks (LayerNorm -> multi-head self-attention -> residual; LayerNor
 features are the mean of the final tokens after a last LayerNorm: global average pooling, as big_vision's plain ViT
 baseline, instead of a CLS token (no extra token and no custom layer to carry it).
 
-Keras' built-in layers but one:
+Keras' built-in layers, one of tfmp's own and two of Keras' with a faster computation inside:
 
 * patches, their projection and the position embedding: `PatchEmbedding`, tfmp's one layer here. The position
   embedding is its own (rows, columns, width) weight, learned at the grid of `--image_size`; an image of another size
@@ -14,17 +14,22 @@ Keras' built-in layers but one:
   (None, None, channels); the sides must be multiples of the patch;
 * attention: `MultiHeadAttention` (in Keras 3.15 on TensorFlow it runs `ops.dot_product_attention`);
 * stochastic depth: `Dropout` with `noise_shape=(None, 1, 1)`, which drops a sample's whole residual branch and
-  scales the rest by 1 / (1 - rate) — DeiT's drop path — at rates rising linearly to `drop_path_rate` over the blocks.
+  scales the rest by 1 / (1 - rate) — DeiT's drop path — at rates rising linearly to `drop_path_rate` over the blocks;
+* LayerNorm and the MLP's exact GELU: Keras' `LayerNormalization` and `Dense(activation="gelu")` with the element-wise
+  computation done by two small XLA programs each (`tfmp.models.fused`: the same function, the same config and weights;
+  measured faster than TensorFlow's op-by-op kernels in float32 and bf16).
 
 Mixed precision (measured on Keras 3.15, tests/test_vit.py): the Dense, EinsumDense and attention matmuls run in the
-policy's compute dtype; LayerNormalization computes its statistics and normalisation in float32 and returns the
-compute dtype; attention casts its logits to float32 after the query-key product and takes the softmax in float32.
+policy's compute dtype; LayerNorm computes its statistics and normalisation in float32 and returns the compute
+dtype, as does the GELU (`tfmp.models.fused`); attention casts its logits to float32 after the query-key product and
+takes the softmax in float32.
 
-`tfmp.models.export.portable` turns `PatchEmbedding` into the Keras-only layout tfmp's ViTs had before they took any
-resolution — `Reshape` / `Permute` / `Reshape` (the arithmetic of a stride-`patch` convolution) and one `EinsumDense`
-whose bias spans (token, channel), the position embedding plus the projection's bias — at the resolution the
-embedding was learned at, so an exported `encoder.keras` loads without tfmp; `adopt` turns that layout (today's
-exports and those written before) back into `PatchEmbedding`, taking any resolution again.
+`tfmp.models.export.portable` writes the fused layers back as Keras' own and turns `PatchEmbedding` into the
+Keras-only layout tfmp's ViTs had before they took any resolution — `Reshape` / `Permute` / `Reshape` (the arithmetic
+of a stride-`patch` convolution) and one `EinsumDense` whose bias spans (token, channel), the position embedding plus
+the projection's bias — at the resolution the embedding was learned at, so an exported `encoder.keras` loads without
+tfmp; `adopt` turns that layout (today's exports and those written before) back into `PatchEmbedding`, taking any
+resolution again, and Keras' LayerNormalization and GELU Dense into the fused ones.
 
 With `remat="blocks"` (or `"full"`: a ViT has no stages, so it is the same) each transformer block is one
 checkpointed segment (`tfmp.models.remat`): the forward pass keeps one (tokens, width) tensor per block.
@@ -37,6 +42,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tfmp.models import fused
 from tfmp.models.layers import NormSettings
 from tfmp.models.remat import checkpointed
 
@@ -202,11 +208,11 @@ def encoder_block(x, name: str, *, heads: int, mlp_width: int, drop_path: float 
             return branch
         return keras.layers.Dropout(drop_path, noise_shape=(None, 1, 1), name=f"{name}_{part}_drop_path")(branch)
 
-    y = keras.layers.LayerNormalization(epsilon=1e-6, name=f"{name}_attention_norm")(x)
+    y = fused.LayerNormalization(epsilon=1e-6, name=f"{name}_attention_norm")(x)
     y = keras.layers.MultiHeadAttention(heads, key_dim=width // heads, name=f"{name}_attention")(y, y)
     x = keras.layers.Add(name=f"{name}_attention_residual")([x, drop_path_layer(y, "attention")])
-    y = keras.layers.LayerNormalization(epsilon=1e-6, name=f"{name}_mlp_norm")(x)
-    y = keras.layers.Dense(mlp_width, activation="gelu", name=f"{name}_mlp_hidden")(y)
+    y = fused.LayerNormalization(epsilon=1e-6, name=f"{name}_mlp_norm")(x)
+    y = fused.Dense(mlp_width, activation="gelu", name=f"{name}_mlp_hidden")(y)
     y = keras.layers.Dense(width, name=f"{name}_mlp_output")(y)
     return keras.layers.Add(name=f"{name}_mlp_residual")([x, drop_path_layer(y, "mlp")])
 
@@ -228,7 +234,7 @@ def vision_transformer(input_shape: tuple[int, int, int], size: ViTSize, name: s
         rate = drop_path_rate * block / max(size.depth - 1, 1)
         x = checkpointed(encoder_block, x, name=f"block{block}", remat=remat, heads=size.heads, mlp_width=size.mlp_width,
                          drop_path=rate)
-    x = keras.layers.LayerNormalization(epsilon=1e-6, name="final_norm")(x)
+    x = fused.LayerNormalization(epsilon=1e-6, name="final_norm")(x)
     features = keras.layers.GlobalAveragePooling1D(name="pool")(x)
     return keras.Model(inputs, features, name=name)
 

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tfmp import accumulation, registry
 from tfmp.data import augment
-from tfmp.models import vit
+from tfmp.models import fused, vit
 from tfmp.ssl.two_view import TwoViewModel
 
 
@@ -88,7 +88,7 @@ def pixel_decoder(width: int, depth: int, heads: int, pixels: int, name: str = "
     x = tokens
     for block in range(depth):
         x = vit.encoder_block(x, f"{name}_block{block}", heads=heads, mlp_width=4 * width)
-    x = keras.layers.LayerNormalization(epsilon=1e-6, name=f"{name}_norm")(x)
+    x = fused.LayerNormalization(epsilon=1e-6, name=f"{name}_norm")(x)
     return keras.Model(tokens, keras.layers.Dense(pixels, dtype="float32", name=f"{name}_pixels")(x), name=name)
 
 
