@@ -448,6 +448,24 @@ def test_a_vit_pretrained_by_the_cli_serves_linear_eval_and_finetune(tmp_path):
     assert not os.path.exists(tmp_path / "eval9" / "metrics.json")
 
 
+@pytest.mark.slow  # ~60 s
+def test_the_cli_fine_tunes_with_layer_decay_under_zero3_as_unsharded(tmp_path):
+    """`--task=finetune --layer_decay=0.75` on 2 replicas: `--sharding=zero3` ends with the unsharded run's loss and
+    accuracy."""
+    from tfmp import training
+    from tfmp.config import Config
+
+    common = dict(dataset="digits", model="vit_micro_p2", precision="float32", global_batch_size=128, label_fraction=0.05,
+                  probe_epochs=2, flip=False)
+    training.run(Config(task="mocov3", epochs=1, strategy="off", **common), str(tmp_path / "pretrain"))
+    encoder = str(tmp_path / "pretrain" / "encoder.keras")
+    runs = {sharding: training.run(Config(task="finetune", encoder=encoder, epochs=3, learning_rate=1e-3, layer_decay=0.75,
+                                          sharding=sharding, strategy="mirrored", num_cpu_devices=2, **common),
+                                   str(tmp_path / sharding)) for sharding in ("none", "zero3")}
+    assert runs["zero3"]["train_loss"] == pytest.approx(runs["none"]["train_loss"], rel=1e-4)
+    assert runs["zero3"]["eval_accuracy"] == pytest.approx(runs["none"]["eval_accuracy"], abs=0.01)
+
+
 @pytest.mark.slow  # ~13 s: fp16 is TensorFlow's slow path on a CPU
 def test_fp16_with_loss_scaling_trains_the_digits_vit_preset_model_without_overflow():
     """The digits ViT preset's encoder and method (MoCo v3) under mixed_float16 with tfmp's dynamic loss scale
@@ -520,6 +538,37 @@ def test_layer_decay_scales_each_blocks_learning_rate(replicas):
     from tfmp.config import Config, UsageError, validate
 
     with pytest.raises(UsageError, match=r"^--layer_decay=0.5 is for --task=finetune or --compare_finetune of a ViT encoder, "
-                                         r"unsharded, above 0 "
-                                         r"\(got --task=simclr, --sharding=none\)$"):
+                                         r"above 0 \(got --task=simclr\)$"):
         validate(Config(task="simclr", layer_decay=0.5))
+    validate(Config(task="mae", model="vit_micro_p2", compare_finetune=True, layer_decay=0.5, sharding="zero3"))  # sharded
+
+
+@pytest.mark.parametrize("stage, replicas", [("zero1", 2), ("zero3", 2), pytest.param("zero1", 1, marks=pytest.mark.slow)])
+def test_layer_decay_under_sharding_ends_where_the_unsharded_optimizer_does(stage, replicas):
+    """SGD with momentum and decoupled weight decay (which keeps the schedule's learning rate) and `--layer_decay=0.5`,
+    3 steps of `fit()`: each sharded stage's weights equal the unsharded optimizer's within float32 rounding, on 2
+    replicas (the sharded step's own rule) and on 1 (the wrapped optimizer's step). (Not Adam: the attention's key bias
+    has a zero gradient up to round-off, which Adam's normalisation turns into steps of either sign.)"""
+    from tfmp import optimizers
+    from tfmp.sharding import ShardedOptimizer
+
+    size = vit.ViTSize(patch=2, width=8, depth=2, heads=2, mlp_width=16)
+    images = np.random.default_rng(0).normal(size=(8, 8, 8, 1)).astype(np.float32)
+    labels = np.arange(8) % 10
+    strategy = distribute.get_strategy("mirrored") if replicas == 2 else tf.distribute.get_strategy()
+
+    def trained(stage):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = models.build_classifier(vit.vision_transformer((8, 8, 1), size, "tiny"), 10)
+            optimizer = keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.1)
+            model.compile(optimizer=optimizer if stage == "none" else ShardedOptimizer(optimizer, stage=stage),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        optimizers.decay_learning_rate_by_layer(model.optimizer, model.trainable_variables, 0.5)
+        model.fit(images, labels, batch_size=8, epochs=3, shuffle=False, verbose=0)
+        return {variable.path: variable.numpy() for variable in model.trainable_variables}
+
+    unsharded, sharded = trained("none"), trained(stage)
+    assert sharded.keys() == unsharded.keys()
+    for path, weight in unsharded.items():
+        np.testing.assert_allclose(sharded[path], weight, rtol=1e-5, atol=1e-6, err_msg=path)

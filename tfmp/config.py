@@ -504,9 +504,9 @@ def validate(config: Config) -> Config:
         raise UsageError(f"--clipnorm (per variable) cannot be combined with {other}; use one clipping, and --clipnorm "
                          "only unsharded")
     fine_tunes = config.task == "finetune" or (config.compare_finetune and config.task in tfmp_registry.SSL_METHODS)
-    if config.layer_decay != 1.0 and (not fine_tunes or config.sharding != "none" or config.layer_decay <= 0):
+    if config.layer_decay != 1.0 and (not fine_tunes or config.layer_decay <= 0):
         raise UsageError(f"--layer_decay={config.layer_decay:g} is for --task=finetune or --compare_finetune of a ViT encoder, "
-                         f"unsharded, above 0 (got --task={config.task}, --sharding={config.sharding})")
+                         f"above 0 (got --task={config.task})")
     if config.compare_finetune and config.task not in tfmp_registry.SSL_METHODS:
         raise UsageError(f"--compare_finetune is for pretraining tasks ({', '.join(tfmp_registry.SSL_METHODS.names())}), "
                          f"not --task={config.task}")

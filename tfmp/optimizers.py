@@ -170,17 +170,21 @@ def layer_decay_factors(variables: list, decay: float) -> list[float]:
 
 
 def decay_learning_rate_by_layer(optimizer: keras.optimizers.Optimizer, variables: list, decay: float):
-    """Makes `optimizer` (Keras' or tfmp's LARS, unsharded, inside any loss scaling) update each of `variables` with
+    """Makes `optimizer` (Keras' or tfmp's LARS, sharded or not, inside any loss scaling) update each of `variables` with
     its learning rate times `layer_decay_factors`; returns it. Keras' decoupled weight decay runs outside the update
     and keeps the schedule's learning rate (timm's and BEiT's groups scale it too: a smaller decay on low layers)."""
     inner = averaging.innermost(optimizer)
-    if isinstance(inner, ShardedOptimizer):
-        raise ValueError("--layer_decay is not implemented for a sharded optimizer (--sharding)")
     if getattr(inner, "layer_decay", None) is not None:  # a compiled model trained again (`CompiledOnce`): decayed already
         if inner.layer_decay != decay:
             raise ValueError(f"this optimizer decays its learning rate by layer at {inner.layer_decay} already, not {decay}")
         return optimizer
     factor_of = {variable.path: factor for variable, factor in zip(variables, layer_decay_factors(variables, decay))}
+    if isinstance(inner, ShardedOptimizer):
+        # On several replicas the sharded step gives each variable's rule its factor (`update_rules.update`); on one
+        # it runs the optimizer it wraps, whose own step is decayed below.
+        inner.held.learning_rate_factors = factor_of
+        inner.layer_decay = decay
+        inner = inner.inner
     update_step = inner.update_step
 
     def decayed_update_step(gradient, variable, learning_rate):

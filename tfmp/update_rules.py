@@ -105,14 +105,18 @@ def check_supported(optimizer, what: str) -> None:
         raise ValueError(f"{what} does not support amsgrad=True ({type(optimizer).__name__}); use amsgrad=False")
 
 
-def update(optimizer, variable, weight, gradient, slots: dict, learning_rate, step, norms=None, decays: bool | None = None):
+def update(optimizer, variable, weight, gradient, slots: dict, learning_rate, step, norms=None, decays: bool | None = None,
+           learning_rate_factor: float = 1.0):
     """One step of `optimizer`'s rule for `variable`: (new weight, new slots by `slot_names`). `step` counts from 1;
     weight decay is Keras' (its exclusions decided by `uses_weight_decay`, from `tfmp.keras_internals`, unless `decays`
     says it: decided before a variable's storage became chunks). `weight`, `gradient` and the slots may be a shard of
-    the variable (flat); LARS then takes the whole variable's `norms`."""
+    the variable (flat); LARS then takes the whole variable's `norms`. `learning_rate_factor` scales the rule's
+    learning rate, not the decoupled weight decay's (`tfmp.optimizers.decay_learning_rate_by_layer`, as unsharded)."""
     if not is_lars(optimizer) and getattr(optimizer, "weight_decay", None) and (
             decays if decays is not None else keras_internals.uses_weight_decay(optimizer, variable)):
         weight = decoupled_weight_decay(weight, learning_rate=learning_rate, weight_decay=optimizer.weight_decay)
+    if learning_rate_factor != 1.0:
+        learning_rate = learning_rate * learning_rate_factor
     if isinstance(optimizer, keras.optimizers.Adam):
         weight, momentum, velocity = adam(weight, gradient, slots["momentum"], slots["velocity"], learning_rate=learning_rate,
                                           step=step, beta_1=optimizer.beta_1, beta_2=optimizer.beta_2, epsilon=optimizer.epsilon)

@@ -105,6 +105,7 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         # checkpoint holds the same objects whatever the number of replicas that wrote or reads it.
         self.held = _Untracked()
         self.held.inner = inner
+        self.held.learning_rate_factors = {}  # by variable path: `tfmp.optimizers.decay_learning_rate_by_layer`
         self.sharded_state = checkpoint_state.LegacyWholeState(self)  # checkpoints written before ShardedState
         self.state_shards = checkpoint_state.ShardedState(self)
         self.inner_iterations = inner.iterations  # tracked: the step count of the inner optimizer's schedule
@@ -317,7 +318,8 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
             if grads[index] is not None:  # a variable without a gradient is left as it is (no decay), as Keras does
                 weight, rule_slots = update_rules.update(self.inner, variable, weight, gradients[position], slots,
                                                          learning_rate, step, norms=None if norms is None else norms[position],
-                                                         decays=None if self.held.decays is None else self.held.decays[index])
+                                                         decays=None if self.held.decays is None else self.held.decays[index],
+                                                         learning_rate_factor=self.held.learning_rate_factors.get(variable.path, 1.0))
                 slots.update(rule_slots)
             if "average" in slots:  # every variable's, as Keras averages every trainable variable
                 slots["average"] = update_rules.moving_average(slots["average"], weight, momentum=self.inner.ema_momentum,
