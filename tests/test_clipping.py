@@ -162,8 +162,10 @@ def test_clipping_refuses_what_it_cannot_honour_in_one_line():
         clipping.clip_after_reduction(keras.optimizers.SGD(0.1))
     with pytest.raises(ValueError, match=r"^SGD also clips per tensor \(clipnorm / clipvalue\); use one clipping$"):
         clipping.clip_after_reduction(keras.optimizers.SGD(0.1, clipnorm=1.0), 1.0)
-    with pytest.raises(ValueError, match=r"sharding=zero1 does not support clipnorm"):
-        sharding.ZeroOneOptimizer(keras.optimizers.SGD(0.1, clipnorm=1.0))
+    with pytest.raises(ValueError, match=r"^sharding=zero1: clipnorm=1.0 and global_clipnorm=2.0; use one clipping$"):
+        sharding.ZeroOneOptimizer(keras.optimizers.SGD(0.1, clipnorm=1.0), global_clipnorm=2.0)
+    with pytest.raises(ValueError, match=r"^sharding=zero3 does not support clipvalue \(set on SGD\)$"):
+        sharding.ShardedOptimizer(keras.optimizers.SGD(0.1, clipvalue=1.0), stage="zero3")
 
 
 def test_the_setting_reaches_the_optimizer_the_run_builds():
@@ -199,5 +201,29 @@ def test_per_variable_clipping_acts_on_the_summed_gradient_like_keras_clipnorm_o
     _assert_close(_weights(summed), reference)
     built = optimizers.make_optimizer(validate(Config(clipnorm=3.0)), steps_per_epoch=10)
     assert built.clipped_after_reduction == 3.0 and not built.clipnorm
-    with pytest.raises(UsageError, match=r"^--clipnorm \(per variable\) cannot be combined with --sharding=zero1"):
-        validate(Config(clipnorm=3.0, sharding="zero1"))
+    sharded = optimizers.make_optimizer(validate(Config(clipnorm=3.0, sharding="zero3")), steps_per_epoch=10)
+    assert isinstance(sharded, sharding.ShardedOptimizer) and sharded.clipnorm == 3.0 and not sharded.inner.clipnorm
+    with pytest.raises(UsageError, match=r"^--clipnorm \(per variable\) cannot be combined with --global_clipnorm; "
+                                         r"use one clipping$"):
+        validate(Config(clipnorm=3.0, global_clipnorm=1.0))
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_the_sharded_step_clips_each_variable_by_its_norm_summed_across_its_chunks(stage):
+    """Per-variable clipping under sharding, on 2 replicas: the steps of Keras' `clipnorm` on one device, at a
+    threshold that clips some variables' gradients and not others."""
+    images, labels = _data()
+    probe = _model(tf.distribute.get_strategy(), lambda: keras.optimizers.SGD(0.5))
+    with tf.GradientTape() as tape:
+        loss = _loss(probe, images, labels, 1)
+    norms = sorted(float(tf.norm(gradient)) for gradient in tape.gradient(loss, probe.trainable_variables))
+    threshold = (norms[1] + norms[2]) / 2  # two variables clipped at the first step, two not
+    reference = _one_device_reference(lambda: keras.optimizers.SGD(0.5, momentum=0.9, clipnorm=threshold), images, labels)
+    strategy = distribute.get_strategy("mirrored")
+    sharded = _model(strategy, lambda: sharding.ShardedOptimizer(keras.optimizers.SGD(0.5, momentum=0.9), stage=stage,
+                                                                 clipnorm=threshold))
+    _train(sharded, strategy, images, labels)
+    _assert_close(_weights(sharded), reference, tolerance=1e-5)
+    unclipped = _model(strategy, lambda: sharding.ShardedOptimizer(keras.optimizers.SGD(0.5, momentum=0.9), stage=stage))
+    _train(unclipped, strategy, images, labels)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(_weights(unclipped), reference)) > 1e-3

@@ -9,8 +9,8 @@ scale by different factors. tfmp clips the summed gradient instead:
 
 * an unsharded optimizer: `clip_after_reduction(optimizer, global_clipnorm)` moves the clipping into the sum
   (`keras_internals.transform_after_reduction`), so it costs no extra collective;
-* `ZeroOneOptimizer`: the sharded step clips each replica's chunks by the global norm summed across replicas
-  (`tfmp.sharding.optimizer`).
+* `ShardedOptimizer`: the sharded step clips each replica's chunks by the global norm summed across replicas, or
+  (`clipnorm`) each variable's chunks by that variable's norm summed across replicas (`tfmp.sharding.optimizer`).
 
 The clipping lives in the optimizer object, not in Keras' config of it: an optimizer saved into a `.keras` file says
 `global_clipnorm: None`, so call `clip_after_reduction` again on one loaded from a file. tfmp's own runs build their

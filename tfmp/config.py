@@ -499,10 +499,8 @@ def validate(config: Config) -> Config:
     if config.global_batch_size % config.gradient_accumulation_steps:
         raise UsageError(f"gradient_accumulation_steps {config.gradient_accumulation_steps} does not divide global_batch_size "
                          f"{config.global_batch_size}; use a divisor of the per-replica batch")
-    if config.clipnorm and (config.global_clipnorm or config.sharding != "none"):
-        other = "--global_clipnorm" if config.global_clipnorm else f"--sharding={config.sharding}"
-        raise UsageError(f"--clipnorm (per variable) cannot be combined with {other}; use one clipping, and --clipnorm "
-                         "only unsharded")
+    if config.clipnorm and config.global_clipnorm:
+        raise UsageError("--clipnorm (per variable) cannot be combined with --global_clipnorm; use one clipping")
     fine_tunes = config.task == "finetune" or (config.compare_finetune and config.task in tfmp_registry.SSL_METHODS)
     if config.layer_decay != 1.0 and (not fine_tunes or config.layer_decay <= 0):
         raise UsageError(f"--layer_decay={config.layer_decay:g} is for --task=finetune or --compare_finetune of a ViT encoder, "

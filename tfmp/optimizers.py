@@ -129,7 +129,8 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     if config.ema_momentum:
         averaging.average_weights(optimizer, config.ema_momentum)
     if config.sharding != "none":
-        optimizer = ShardedOptimizer(optimizer, global_clipnorm=config.global_clipnorm or None, stage=config.sharding)
+        optimizer = ShardedOptimizer(optimizer, global_clipnorm=config.global_clipnorm or None, clipnorm=config.clipnorm or None,
+                                     stage=config.sharding)
     elif config.global_clipnorm:
         optimizer = clipping.clip_after_reduction(optimizer, config.global_clipnorm)
     elif config.clipnorm:

@@ -24,7 +24,9 @@ Checkpoints hold the state layout-free, per variable, written from where each ch
 layout (`tfmp.sharding.checkpoint_state`), so a run resumes on another number of replicas.
 
 With `global_clipnorm` the step first sums every bucket (each replica keeps its chunks: 1/N of the gradients), then
-scales them by the global norm summed across replicas, then updates (`tfmp.clipping`).
+scales them by the global norm summed across replicas, then updates (`tfmp.clipping`). With `clipnorm` (per variable,
+Keras' name; DINO's clip_grad) each bucket's chunks are scaled by their variables' own norms, summed across replicas
+in one collective per bucket, just before the bucket's update.
 
 The moving average of the weights (the inner optimizer's `use_ema`, `tfmp.averaging`) is one more slot: each
 replica averages its chunks after updating them.
@@ -83,12 +85,14 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
             where every replica is a GPU, an all-reduce elsewhere), "all_reduce" or "reduce_scatter".
         global_clipnorm: clip the summed gradient to this global norm (`tfmp.clipping`: the norm summed across every
             replica's chunks); None takes the inner optimizer's own `global_clipnorm`.
+        clipnorm: clip each variable's summed gradient to this norm by its own norm (`tfmp.clipping`'s `per_tensor`);
+            None takes the inner optimizer's own `clipnorm`. Not with `global_clipnorm`.
         stage: "zero1", "zero2" or "zero3" (see the module docstring). Their checkpoints hold the same state: one
             restores into another.
     """
 
     def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str | None = None,
-                 global_clipnorm: float | None = None, stage: str = "zero1", **kwargs):
+                 global_clipnorm: float | None = None, stage: str = "zero1", clipnorm: float | None = None, **kwargs):
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(STAGES)}, not {stage!r}")
         super().__init__(learning_rate=0.0, name=name or stage, **kwargs)
@@ -97,7 +101,11 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         # Clipping is the step's, after the sum; the inner optimizer would clip each replica's gradient (on one
         # replica it runs unchanged: the clipping is done here before it).
         self.global_clipnorm = global_clipnorm if global_clipnorm is not None else getattr(inner, "global_clipnorm", None)
-        inner.global_clipnorm = None
+        self.clipnorm = clipnorm if clipnorm is not None else getattr(inner, "clipnorm", None)
+        if self.clipnorm and self.global_clipnorm:
+            raise ValueError(f"sharding={stage}: clipnorm={self.clipnorm} and global_clipnorm={self.global_clipnorm}; "
+                             "use one clipping")
+        inner.global_clipnorm = inner.clipnorm = None
         update_rules.check_supported(inner, f"sharding={stage}")
         self.slot_names = update_rules.slot_names(inner)
         # The per-replica buffers and the inner optimizer (whose slots exist on one replica only) are kept out of
@@ -195,6 +203,8 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         if self.replicas == 1:
             if self.global_clipnorm:
                 grads = tf.clip_by_global_norm(list(grads), self.global_clipnorm)[0]
+            elif self.clipnorm:
+                grads = [None if gradient is None else tf.clip_by_norm(gradient, self.clipnorm) for gradient in grads]
             self.inner.apply(grads, trainable_variables if trainable_variables is not None else self.variables_in_order)
             self.iterations.assign_add(1)  # the step count Keras and tfmp's callbacks read is this optimizer's
             return
@@ -305,10 +315,18 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         factor = self.global_clipnorm / tf.maximum(norm, self.global_clipnorm)
         return [[chunk * factor for chunk in bucket] for bucket in chunks]
 
+    def _clipped_per_variable(self, context, chunks: list) -> list:
+        """One bucket's chunks, each scaled by `min(1, clipnorm / norm)` of its variable's whole summed gradient."""
+        squares = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([tf.reduce_sum(tf.square(chunk)) for chunk in chunks]))
+        factors = self.clipnorm / tf.maximum(tf.sqrt(squares), self.clipnorm)
+        return [chunk * factors[position] for position, chunk in enumerate(chunks)]
+
     def _update_bucket(self, context, bucket, gradients, grads, learning_rate, step, states):
         layout, variables = self.layout, self.variables_in_order
         replica = context.replica_id_in_sync_group
         weights = [self._own_weight(variables[index], index, replica) for index in bucket]
+        if self.clipnorm:
+            gradients = self._clipped_per_variable(context, gradients)
         norms = self._lars_norms(context, bucket, weights, gradients)
         new_weights = []
         for position, index in enumerate(bucket):
@@ -407,7 +425,7 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
 
     def get_config(self):
         return {"name": self.name, "inner": keras.saving.serialize_keras_object(self.inner), "stage": self.stage,
-                "gradient_reduction": self.gradient_reduction, "global_clipnorm": self.global_clipnorm}
+                "gradient_reduction": self.gradient_reduction, "global_clipnorm": self.global_clipnorm, "clipnorm": self.clipnorm}
 
     @classmethod
     def from_config(cls, config):
