@@ -107,10 +107,6 @@ def layer_norm(x, gamma, beta, epsilon: float):
     return normalise(x, gamma, beta)
 
 
-def _is_exact_gelu(activation) -> bool:
-    return activation is keras.activations.gelu
-
-
 @keras.saving.register_keras_serializable(package="tfmp")
 class Dense(keras.layers.Dense):
     """Keras' `Dense`; with `activation="gelu"` (exact) the GELU is `tfmp.models.fused.gelu`. Same config, weights
@@ -118,7 +114,7 @@ class Dense(keras.layers.Dense):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if _is_exact_gelu(self.activation):
+        if self.activation is keras.activations.gelu:  # "gelu": Keras' exact GELU (its default approximate=False)
             self.activation = gelu
 
     def get_config(self):
