@@ -167,3 +167,22 @@ def test_the_config_names_keras_own_gelu_and_portable_writes_keras_layers():
     # A plain Dense keeps Keras' class through adopt: only the GELU's layer has something to gain.
     plain = keras.Model(inputs, keras.layers.Dense(3, name="plain")(inputs))
     assert type(export.adopt(plain).get_layer("plain")) is keras.layers.Dense
+
+
+def test_a_checkpoint_written_with_keras_layers_restores_into_the_fused_ones(tmp_path):
+    """A ViT trained before these layers existed (Keras' own LayerNormalization and Dense) resumes into them: the
+    checkpoint's keys are the same (the layers keep Keras' weights and names)."""
+    def model(norm, dense):
+        inputs = keras.Input((4, 8))
+        return keras.Model(inputs, dense(16, activation="gelu", name="hidden")(norm(epsilon=1e-6, name="norm")(inputs)))
+
+    before = model(keras.layers.LayerNormalization, keras.layers.Dense)
+    rng = np.random.default_rng(3)
+    before.set_weights([rng.normal(size=weight.shape).astype(np.float32) for weight in before.weights])
+    path = tf.train.Checkpoint(model=before).write(str(tmp_path / "checkpoint"))
+    after = model(fused.LayerNormalization, fused.Dense)
+    tf.train.Checkpoint(model=after).read(path).assert_consumed()
+    for restored, written in zip(after.weights, before.weights):
+        np.testing.assert_array_equal(restored.numpy(), written.numpy())
+    batch = rng.normal(size=(2, 4, 8)).astype(np.float32)
+    np.testing.assert_allclose(after(batch), before(batch), rtol=1e-5, atol=1e-6)

@@ -238,7 +238,7 @@ def test_mixed_precision_keeps_softmax_and_layer_norm_in_float32_and_matmuls_low
     assert softmax == {"float32"}, counts  # attention probabilities
     assert {dtype for kind, dtype in counts if kind == "Rsqrt"} == {"float32"}  # LayerNorm's statistics
     assert sum(count for (kind, _), count in counts.items() if kind == "Rsqrt") == 2 * size.depth + 1
-    assert {dtype for kind, dtype in counts if kind == "Erf"} == {"float32"}  # the GELU (tfmp.models.fused)
+    assert {dtype for kind, dtype in counts if kind == "Erfc"} == {"float32"}  # the GELU's CDF (tfmp.models.fused)
     matmuls = {dtype for kind, dtype in counts if kind in ("MatMul", "BatchMatMulV2", "Einsum")}
     assert matmuls == {low}, (kinds, counts)
     assert all(weight.dtype == "float32" for weight in encoder.weights)  # float32 master weights
