@@ -47,11 +47,13 @@ def clip_after_reduction(optimizer: keras.optimizers.Optimizer, global_clipnorm:
         raise ValueError(f"{type(optimizer).__name__} also clips per tensor (clipnorm / clipvalue); use one clipping")
     optimizer.global_clipnorm = None
     optimizer.clipped_after_reduction = float(clipnorm)
-    if per_tensor:
-        def clip(gradients):
-            return [None if gradient is None else tf.clip_by_norm(gradient, clipnorm) for gradient in gradients]
-    else:
-        def clip(gradients):
-            return tf.clip_by_global_norm(gradients, clipnorm)[0]
-    keras_internals.transform_after_reduction(optimizer, clip)
+    keras_internals.transform_after_reduction(optimizer, lambda gradients: clipped(gradients, clipnorm, per_tensor))
     return optimizer
+
+
+def clipped(gradients: list, clipnorm: float, per_tensor: bool = False) -> list:
+    """`gradients` (whole ones: summed already) clipped to `clipnorm` by their global norm, or each by its own
+    (`per_tensor`); a None gradient stays None."""
+    if per_tensor:
+        return [None if gradient is None else tf.clip_by_norm(gradient, clipnorm) for gradient in gradients]
+    return tf.clip_by_global_norm(list(gradients), clipnorm)[0]

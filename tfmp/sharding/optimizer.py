@@ -59,7 +59,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import keras_internals, logs, update_rules
+from tfmp import clipping, keras_internals, logs, update_rules
 from tfmp.config import SHARDING_STAGES
 from tfmp.sharding import checkpoint_state
 from tfmp.sharding import weights as weights_module
@@ -201,10 +201,8 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         if self.replicas == 1:
-            if self.global_clipnorm:
-                grads = tf.clip_by_global_norm(list(grads), self.global_clipnorm)[0]
-            elif self.clipnorm:
-                grads = [None if gradient is None else tf.clip_by_norm(gradient, self.clipnorm) for gradient in grads]
+            if self.global_clipnorm or self.clipnorm:
+                grads = clipping.clipped(grads, self.global_clipnorm or self.clipnorm, per_tensor=bool(self.clipnorm))
             self.inner.apply(grads, trainable_variables if trainable_variables is not None else self.variables_in_order)
             self.iterations.assign_add(1)  # the step count Keras and tfmp's callbacks read is this optimizer's
             return
