@@ -13,6 +13,7 @@ from test_sharding import LAYOUTS, STEPS, ScaledModel, _data, _optimizer, fp16_m
 from test_sharding import _model as sharding_model
 from tfmp import distribute, models, precision, sharding
 from tfmp.sharding import weights
+from tfmp.sharding.layout import Layout
 
 
 def _model(strategy, kind, stage):
@@ -185,6 +186,46 @@ def test_a_zero3_checkpoint_resumes_unsharded_on_one_device_and_an_unsharded_one
     LAYOUTS["train"](single, tf.distribute.get_strategy(), images, labels, 3)
     LAYOUTS["train"](again, strategy, images, labels, 3)
     _assert_close(single, again)
+
+
+@pytest.mark.slow  # ~25 s: two worker processes
+def test_two_workers_save_the_weights_whole_to_the_chiefs_checkpoint_a_bucket_at_a_time(tmp_path):
+    """tests/scripts/zero3_worker_save.py on 2 workers: with the sharded optimizer in the checkpoint, no worker holds
+    more than one bucket of whole weights during the save (the model alone: all of them, TensorFlow's own save), and
+    both checkpoints restore on one device, unsharded, to the weights the workers trained."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(repository, "tests", "scripts", "zero3_worker_save.py")
+    run = subprocess.run([sys.executable, "-m", "tfmp.launch", "--num_workers=2", script, str(tmp_path)], cwd=repository,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        import zero3_worker_save
+    finally:
+        sys.path.pop(0)
+    model = zero3_worker_save.build()
+    layout = Layout(tuple(int(np.prod(w.shape)) for w in model.trainable_weights), 2)
+    largest_bucket = max(sum(layout.sizes[index] * 4 for index in bucket) for bucket in layout.buckets)
+    total = sum(layout.sizes) * 4
+    assert len(layout.buckets) >= 3 and largest_bucket < total / 3  # the test means something
+    for worker in (0, 1):
+        line = re.search(rf"\[worker {worker}\] peak whole bytes: with optimizer (\d+), model only (\d+) of (\d+)", run.stdout)
+        assert line, run.stdout[-2000:]
+        streamed, model_only, whole = map(int, line.groups())
+        assert whole == total and 0 < streamed <= largest_bucket and model_only == total, line.group(0)
+    with np.load(tmp_path / "weights.npz") as saved:
+        trained = [saved[f"arr_{index}"] for index in range(len(saved.files))]
+    for name in ("with_optimizer", "model_only"):
+        single = zero3_worker_save.build()
+        assert not np.array_equal(single.get_weights()[1], trained[1])  # the workers trained
+        tf.train.Checkpoint(model=single).read(str(tmp_path / name / "ckpt")).expect_partial().assert_existing_objects_matched()
+        for restored, expected in zip(single.get_weights(), trained):
+            np.testing.assert_array_equal(restored, expected, err_msg=name)
 
 
 def test_whole_reads_and_writes_outside_a_step_go_through_the_chunks():

@@ -335,12 +335,14 @@ class _ChunkSaveable(_saveable_base()[0]):
     def __init__(self, variable, name):
         save_spec = _saveable_base()[1]
         self.variable = variable
+        variable.sharded.checkpoint_key = name  # the key of the save in progress (`weights.stream_to_chief`)
         specs = [save_spec(tensor, spec, name, dtype="float32", device=device)
                  for spec, tensor, device in variable.sharded.saved_slices()]
         super().__init__(variable, specs, name)
 
     def restore(self, restored_tensors, restored_shapes):
         del restored_shapes
+        self.variable.sharded.checkpoint_key = None  # made for a restore, not a save
         self.variable.sharded.restore_slices(list(restored_tensors))
 
 

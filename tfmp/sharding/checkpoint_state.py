@@ -14,6 +14,9 @@ bundles with `SaveV2`, TensorFlow merges them into the checkpoint, a restore fun
   as it arrives: no process holds the whole state at any time;
 * restoring, each replica reads with `RestoreV2` exactly the slices its layout gives it.
 
+Under zero3 on several workers the same saver also streams the sharded weights to the chief, a bucket at a time, under
+their own Keras keys (`tfmp.sharding.weights.stream_to_chief`): TensorFlow's own save would gather them all at once.
+
 The registration is TensorFlow's `saved_model.registration.register_checkpoint_saver`, not exported as `tf.*` in
 TF 2.21: reached through `tfmp.keras_internals`, whose `missing_hooks` checks it at start-up.
 
@@ -30,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import keras_internals
+from tfmp.sharding import weights
 
 
 
@@ -49,9 +53,13 @@ def _save(trackables: dict, file_prefix) -> list:
     prefixes = []
     for number, (identifier, state) in enumerate(sorted(trackables.items())):
         optimizer = state.owner
-        if not optimizer.built or not optimizer.slot_names:
+        if not optimizer.built:
             continue
         prefix = tf.strings.join([file_prefix, f"_{number}"])
+        if optimizer.stage == "zero3" and optimizer.replicas > 1 and not _all_replicas_local(optimizer.held.strategy):
+            prefixes += weights.stream_to_chief(optimizer.variables_in_order, optimizer.layout, prefix)
+        if not optimizer.slot_names:
+            continue
         if optimizer.replicas == 1:
             prefixes.append(_save_one_device(identifier, optimizer, prefix))
         elif _all_replicas_local(optimizer.held.strategy):
@@ -124,6 +132,8 @@ def _save_through_the_chief(identifier: str, optimizer, prefix) -> list:
             bucket_prefix = tf.strings.join([prefix, f"_bucket{number}"])
             tf.raw_ops.SaveV2(prefix=bucket_prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
             prefixes.append(bucket_prefix)
+            del tensors
+        del gathered  # released before the next bucket is gathered, not when its result replaces this one
     return prefixes
 
 

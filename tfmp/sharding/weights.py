@@ -24,8 +24,11 @@ Checkpoints: each weight is saved under its own key with its logical shape, as t
 chunk is a few rectangular boxes of the tensor: `flat_boxes`), and TensorFlow's bundle reader assembles any slice from
 whatever was stored — so a zero3 checkpoint restores into an unsharded model on one device and an unsharded checkpoint
 into zero3 on any number of replicas, with the same keys as Keras' own. Several workers: only the chief's checkpoint is
-kept, so each weight is gathered whole for the save — and TensorFlow evaluates a save's tensors before writing them,
-so every worker holds the whole float32 weights for the length of a save (known limit, measured in BUILD_NOTES.md).
+kept, so each weight must reach the chief whole. TensorFlow evaluates all of a save's tensors before writing any (every
+worker would hold the whole float32 weights for the length of a save), so the sharded optimizer's registered saver
+streams them instead (`stream_to_chief`): a bucket of weights gathered, written by the chief under the weights' own
+keys, released, the next. The weights' own saveables then write nothing; in a checkpoint without the optimizer they
+still gather each weight whole (TensorFlow's way). A restore on several workers reads each weight whole.
 
 Not sharded: non-trainable variables (BatchNorm's moving statistics: small, and per replica as Keras keeps them),
 variables not in float32 (integer counters), and anything on one replica (nothing to shard).
@@ -79,6 +82,10 @@ class Chunks:
         self.shape = tuple(variable.shape)
         self.size, self.chunk = layout.sizes[index], layout.chunks[index]
         self._gather = None
+        # Several workers: the key this weight is being saved under (its saveable, made for each save, sets it) and
+        # whether `stream_to_chief` has written it in that save already (then TensorFlow's own save writes nothing).
+        self.checkpoint_key: str | None = None
+        self.written_by_stream = False
 
     @property
     def storage(self):
@@ -170,10 +177,12 @@ class Chunks:
 
     def saved_slices(self) -> list:
         """`(slice spec, tensor or a function giving it, device)` for each slice this process saves: the boxes of its
-        replicas' chunks on one machine; the whole weight, gathered, with several workers (the chief's is kept)."""
+        replicas' chunks on one machine; the whole weight with several workers (the chief's checkpoint is kept) —
+        nothing when `stream_to_chief` wrote it in this save already, gathered here when it did not (a checkpoint
+        without the sharded optimizer)."""
         if not self.one_machine or not self.shape:
             device = self.local_chunks()[0].device
-            return [("", lambda: self.whole(), device)]
+            return [("", self._whole_unless_streamed, device)]
         slices = []
         for replica, chunk in zip(self.replica_ids, self.local_chunks()):
             position = 0
@@ -184,6 +193,13 @@ class Chunks:
                                tf.reshape(tf.convert_to_tensor(chunk)[position:position + count], lengths), chunk.device))
                 position += count
         return slices
+
+    def _whole_unless_streamed(self):
+        if self.written_by_stream:
+            self.written_by_stream = False
+            return None  # TensorFlow records the weight in the object graph and writes no tensor for it
+        self.checkpoint_key = None
+        return self.whole()
 
     def restore_slices(self, tensors: list) -> None:
         """Writes back what `saved_slices` named, read by TensorFlow from whatever layout saved it."""
@@ -197,6 +213,35 @@ class Chunks:
             position += len(boxes)
             values = tf.concat(parts, axis=0) if parts else tf.zeros([0])
             chunk.assign(tf.pad(tf.cast(values, tf.float32), [[0, self.chunk - int(values.shape[0])]]))
+
+
+def stream_to_chief(variables: list, layout: Layout, prefix) -> list:
+    """Several workers: writes the sharded weights of `variables` (in `layout`'s order) that the save in progress
+    holds, a bucket at a time — each weight all-gathered (every worker takes part), the chief writing the bucket under
+    the weights' own checkpoint keys, whole, before the next bucket is gathered. No process holds more than one bucket
+    of whole weights (TensorFlow's own save would evaluate every weight's tensor before writing any). Returns the
+    bundles written (the chief's; TensorFlow merges them into the checkpoint), to be called from a registered saver,
+    which TensorFlow runs after the save's saveables are made (they set the keys) and before their tensors are read."""
+    streamed = {variable.sharded.index: variable.sharded for variable in variables
+                if is_sharded(variable) and variable.sharded.checkpoint_key and not variable.sharded.one_machine}
+    if not streamed:
+        return []
+    chief = next(iter(streamed.values())).strategy.extended.should_checkpoint
+    prefixes = []
+    for number, bucket in enumerate(layout.buckets):
+        members = [streamed[index] for index in bucket if index in streamed]
+        if not members:
+            continue
+        names = [chunks.checkpoint_key for chunks in members]
+        tensors = [chunks.whole() for chunks in members]
+        for chunks in members:
+            chunks.checkpoint_key, chunks.written_by_stream = None, True
+        if chief:
+            bucket_prefix = tf.strings.join([prefix, f"_weights{number}"])
+            tf.raw_ops.SaveV2(prefix=bucket_prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
+            prefixes.append(bucket_prefix)
+        del tensors
+    return prefixes
 
 
 def _placed(tensor, device) -> tf.Tensor:

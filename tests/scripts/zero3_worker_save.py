@@ -1,0 +1,112 @@
+"""A zero3 checkpoint saved by two workers: whole in the chief's checkpoint, never whole in a worker's memory.
+
+    python -m tfmp.launch --num_workers=2 tests/scripts/zero3_worker_save.py DIR
+
+Each worker trains a model of four 2048-wide Dense layers (64 MiB of float32 kernels, one 16 MiB kernel per bucket of
+the sharded layout) 3 steps under MultiWorkerMirroredStrategy with `ShardedOptimizer(stage="zero3")`, then saves twice:
+the model with its optimizer (what tfmp's checkpoints hold: the optimizer's registered saver streams the weights to the
+chief bucket by bucket) to DIR/with_optimizer, and the model alone (no stream: TensorFlow's own save gathers each weight
+whole) to DIR/model_only. Only the chief's checkpoints are kept; the other worker writes under DIR/worker1. While each
+save runs, the bytes of whole weights alive at once in the process are counted (each whole weight `Chunks.whole`
+returns, until it is freed). Prints "peak whole bytes: with optimizer A, model only B of C" (`tfmp.launch` prefixes each worker's lines),
+and the chief writes the weights it trained (gathered) to DIR/weights.npz for tests/test_zero3.py to compare with what
+a model on one device restores from either checkpoint.
+"""
+
+import json
+import os
+import sys
+import weakref
+
+from tfmp import tf_environment
+
+tf_environment.prepare()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfmp import distribute, sharding  # noqa: E402
+from tfmp.diagnostics import memory  # noqa: E402
+from tfmp.sharding import weights  # noqa: E402
+
+WIDTH = 2048
+
+
+def build():
+    """The same network unsharded (tests/test_zero3.py restores into it on one device)."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(WIDTH, name="first"),
+                             *[keras.layers.Dense(WIDTH, name=f"wide{index}") for index in range(4)],
+                             keras.layers.Dense(10, name="logits")])
+
+
+class LiveWholeBytes:
+    """Bytes of the whole weights `Chunks.whole` returned that are still alive, and their peak since `reset`."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+        original = weights.Chunks.whole
+
+        def counted(chunks):
+            tensor = original(chunks)
+            size = tensor.shape.num_elements() * 4
+            self.now += size
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(tensor, self._freed, size)
+            return tensor
+
+        weights.Chunks.whole = counted
+
+    def _freed(self, size):
+        self.now -= size
+
+    def reset(self):
+        self.peak = self.now
+
+
+def main() -> int:
+    directory = sys.argv[1]
+    strategy = distribute.get_strategy("multi_worker_mirrored")
+    worker = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    with strategy.scope():
+        model = build()
+        optimizer = sharding.ShardedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), stage="zero3")
+        optimizer.build(model.trainable_variables)
+    rng = np.random.default_rng(0)
+    images, labels = rng.normal(size=(16, 64)).astype(np.float32), np.arange(16) % 10
+
+    def replica_step(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+            scaled = loss / strategy.num_replicas_in_sync
+        optimizer.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+
+    step = tf.function(lambda: strategy.run(replica_step, args=(images[worker::2], labels[worker::2])))
+    for _ in range(3):
+        step()
+    trained = [np.asarray(weight) for weight in model.get_weights()]  # gathered whole (every worker takes part)
+    live = LiveWholeBytes()
+    peaks = {}
+    target = directory if strategy.extended.should_checkpoint else os.path.join(directory, f"worker{worker}")
+    allocator = {}  # peak bytes TensorFlow's CPU allocator held during the save, above its start (where it counts)
+    for name, checkpoint in (("with_optimizer", tf.train.Checkpoint(model=model, optimizer=optimizer)),
+                             ("model_only", tf.train.Checkpoint(model=model))):
+        live.reset()
+        counts = memory.reset_peak_memory("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"] if counts else 0
+        checkpoint.write(os.path.join(target, name, "ckpt"))
+        peaks[name] = live.peak
+        allocator[name] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before if counts else None
+    total = sum(weight.nbytes for weight in trained)
+    if strategy.extended.should_checkpoint:
+        np.savez(os.path.join(directory, "weights.npz"), *trained)
+    print(f"peak whole bytes: with optimizer {peaks['with_optimizer']}, model only {peaks['model_only']} "
+          f"of {total}; allocator peak above the start: with optimizer {allocator['with_optimizer']}, model only "
+          f"{allocator['model_only']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
