@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import keras_internals
-from tfmp.sharding import weights
+from tfmp.sharding import collectives, weights
 
 
 
@@ -56,21 +56,17 @@ def _save(trackables: dict, file_prefix) -> list:
         if not optimizer.built:
             continue
         prefix = tf.strings.join([file_prefix, f"_{number}"])
-        if optimizer.stage == "zero3" and optimizer.replicas > 1 and not _all_replicas_local(optimizer.held.strategy):
+        if optimizer.stage == "zero3":  # writes only weights sharded across workers (on one machine their saveables do)
             prefixes += weights.stream_to_chief(optimizer.variables_in_order, optimizer.layout, prefix)
         if not optimizer.slot_names:
             continue
         if optimizer.replicas == 1:
             prefixes.append(_save_one_device(identifier, optimizer, prefix))
-        elif _all_replicas_local(optimizer.held.strategy):
+        elif collectives.all_replicas_local(optimizer.held.strategy):
             prefixes += _save_each_replica(identifier, optimizer, prefix)
         else:
             prefixes += _save_through_the_chief(identifier, optimizer, prefix)
     return prefixes
-
-
-def _all_replicas_local(strategy) -> bool:
-    return len(strategy.extended.worker_devices) == strategy.num_replicas_in_sync
 
 
 def _save_one_device(identifier: str, optimizer, prefix):

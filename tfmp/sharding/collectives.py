@@ -10,6 +10,11 @@ from tfmp import keras_internals
 GRADIENT_REDUCTIONS = ("auto", "all_reduce", "reduce_scatter")
 
 
+def all_replicas_local(strategy) -> bool:
+    """Every replica is in this process (one machine): nothing has to cross to another worker."""
+    return len(strategy.extended.worker_devices) == strategy.num_replicas_in_sync
+
+
 class AllReduceShares:
     """Every device: all-reduce the packed gradients (tf.distribute's public collective) and keep the replica's chunk.
     Each replica receives every gradient, as in plain data parallelism; the chunks are dealt in replica order."""

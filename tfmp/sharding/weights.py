@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import keras_internals
+from tfmp.sharding import collectives
 from tfmp.sharding.layout import Layout
 
 
@@ -97,7 +98,7 @@ class Chunks:
 
     @property
     def one_machine(self) -> bool:
-        return len(self.strategy.extended.worker_devices) == self.strategy.num_replicas_in_sync
+        return collectives.all_replicas_local(self.strategy)
 
     # -------------------------------------------------------------------- reads
 
