@@ -112,9 +112,10 @@ def _worker_pid(workdir, task_index):
 
 
 @pytest.mark.slow  # 44 s each; the two-worker run itself is in the default suite
-@pytest.mark.parametrize("stage", ["none", "zero1"])
+@pytest.mark.parametrize("stage", ["none", "zero1", "zero3"])
 def test_a_killed_worker_stops_the_job_and_the_relaunch_resumes(tmp_path, stage):
-    """With zero1 the relaunch scatters the state both workers all-gathered into the checkpoint (tfmp.sharding)."""
+    """With zero1 the relaunch scatters the state both workers all-gathered into the checkpoint (tfmp.sharding); with
+    zero3 each relaunched worker reads only its own slices of the weights the chief's checkpoint holds whole."""
     workdir = str(tmp_path / "run")
     settings = [*DIGITS, "--checkpoint_every_steps=5", f"--sharding={stage}"]
     command = [sys.executable, "-m", "tfmp.launch", "--num_workers=2", *settings, f"--workdir={workdir}"]

@@ -191,8 +191,9 @@ def test_a_zero3_checkpoint_resumes_unsharded_on_one_device_and_an_unsharded_one
 @pytest.mark.slow  # ~25 s: two worker processes
 def test_two_workers_save_the_weights_whole_to_the_chiefs_checkpoint_a_bucket_at_a_time(tmp_path):
     """tests/scripts/zero3_worker_save.py on 2 workers: with the sharded optimizer in the checkpoint, no worker holds
-    more than one bucket of whole weights during the save (the model alone: all of them, TensorFlow's own save), and
-    both checkpoints restore on one device, unsharded, to the weights the workers trained."""
+    more than one bucket of whole weights during the save (the model alone: all of them, TensorFlow's own save); both
+    checkpoints restore on one device, unsharded, to the weights the workers trained; and the workers restore the
+    checkpoint exactly reading only their own slices (half the bytes and one whole weight at a time, against all)."""
     import os
     import re
     import subprocess
@@ -218,6 +219,15 @@ def test_two_workers_save_the_weights_whole_to_the_chiefs_checkpoint_a_bucket_at
         assert line, run.stdout[-2000:]
         streamed, model_only, whole = map(int, line.groups())
         assert whole == total and 0 < streamed <= largest_bucket and model_only == total, line.group(0)
+        # Restoring: each worker's own replicas' slices (half the weights) and, at a time, the one whole weight
+        # TensorFlow's bundle reader cuts them from, against every weight whole at once.
+        line = re.search(rf"\[worker {worker}\] restore, allocator peak above the start and exact: own slices (\S+) (\S+); "
+                         rf"whole (\S+) (\S+)", run.stdout)
+        assert line and line.group(2) == line.group(4) == "True", run.stdout[-2000:]
+        if line.group(1) != "None":  # TensorFlow's CPU allocator counts its bytes (it does in TF 2.21)
+            own, all_whole = int(line.group(1)), int(line.group(3))  # within 2 MiB: what else the restore moves
+            assert own <= total / 2 + max(layout.sizes) * 4 + 2**21 and all_whole >= total - 2**21, line.group(0)
+        assert f"[worker {worker}] save inside reading_own_slices: refused" in run.stdout
     with np.load(tmp_path / "weights.npz") as saved:
         trained = [saved[f"arr_{index}"] for index in range(len(saved.files))]
     for name in ("with_optimizer", "model_only"):

@@ -343,7 +343,7 @@ class _ChunkSaveable(_saveable_base()[0]):
     def restore(self, restored_tensors, restored_shapes):
         del restored_shapes
         self.variable.sharded.checkpoint_key = None  # made for a restore, not a save
-        self.variable.sharded.restore_slices(list(restored_tensors))
+        self.variable.sharded.restore_slices(list(restored_tensors), whole=self.specs[0].slice_spec == "")
 
 
 class ShardedVariableKeys:

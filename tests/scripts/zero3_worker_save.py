@@ -10,9 +10,13 @@ whole) to DIR/model_only. Only the chief's checkpoints are kept; the other worke
 save runs, the bytes of whole weights alive at once in the process are counted (each whole weight `Chunks.whole`
 returns, until it is freed). Prints "peak whole bytes: with optimizer A, model only B of C" (`tfmp.launch` prefixes each worker's lines),
 and the chief writes the weights it trained (gathered) to DIR/weights.npz for tests/test_zero3.py to compare with what
-a model on one device restores from either checkpoint.
+a model on one device restores from either checkpoint. Then both workers restore the chief's checkpoint into their
+zeroed model, reading only their replicas' slices (`weights.reading_own_slices()`, as tfmp's checkpoints restore) and
+then each weight whole, and print the allocator's peak above the start of each and whether the weights came back
+exactly; and try a save inside `reading_own_slices()`, which several workers refuse.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -105,6 +109,29 @@ def main() -> int:
     print(f"peak whole bytes: with optimizer {peaks['with_optimizer']}, model only {peaks['model_only']} "
           f"of {total}; allocator peak above the start: with optimizer {allocator['with_optimizer']}, model only "
           f"{allocator['model_only']}", flush=True)
+    # Both workers restore the chief's checkpoint into the model, its weights zeroed first: reading only their own
+    # replicas' slices (as tfmp's checkpoints restore), then each weight whole (a plain tf.train.Checkpoint.restore).
+    # Gathering the weights is a collective, so the chief has finished writing before either worker reads.
+    np.asarray(model.weights[0])
+    reads = {}
+    for mode, context in (("own slices", weights.reading_own_slices), ("whole", contextlib.nullcontext)):
+        model.set_weights([np.zeros_like(weight) for weight in trained])
+        counts = memory.reset_peak_memory("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"] if counts else 0
+        with context():
+            tf.train.Checkpoint(model=model, optimizer=optimizer).read(
+                os.path.join(directory, "with_optimizer", "ckpt")).assert_existing_objects_matched()
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before if counts else None
+        exact = all(np.array_equal(got, expected) for got, expected in zip(model.get_weights(), trained))
+        reads[mode] = (peak, exact)
+    print("restore, allocator peak above the start and exact: " +
+          "; ".join(f"{mode} {peak} {exact}" for mode, (peak, exact) in reads.items()), flush=True)
+    try:  # several workers: a save inside reading_own_slices() would keep only the chief's slices, so it is refused
+        with weights.reading_own_slices():
+            tf.train.Checkpoint(model=model).write(os.path.join(target, "refused", "ckpt"))
+        print("save inside reading_own_slices: written", flush=True)
+    except RuntimeError as error:
+        print(f"save inside reading_own_slices: refused ({error})", flush=True)
     return 0
 
 

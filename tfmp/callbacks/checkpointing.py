@@ -21,6 +21,7 @@ from tfmp.callbacks.model_state import owned_optimizers
 from tfmp.callbacks.interfaces import SaveGate, StepCount
 from tfmp.callbacks.step_counter import CountingCallback
 from tfmp.config import UsageError
+from tfmp.sharding import weights
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,8 @@ class Checkpointing(CountingCallback):
     def _load(self, path: str, build_compiled_optimizer: bool = False) -> int:
         # Objects that exist are filled now; optimizer variables not created yet are filled by
         # tf.train when Keras creates them (the model itself is built: see on_train_begin).
-        status = self._checkpoint_state_object.restore(path)
+        with weights.reading_own_slices():  # zero3 on several workers: each worker reads its replicas' chunks only
+            status = self._checkpoint_state_object.restore(path)
         optimizer = getattr(self.model, "optimizer", None)
         if build_compiled_optimizer and optimizer is not None and not optimizer.built and optimizer.iterations.numpy() > 0:
             # The compiled optimizer stepped before the save (its step count is restored now): built here, its

@@ -28,7 +28,10 @@ kept, so each weight must reach the chief whole. TensorFlow evaluates all of a s
 worker would hold the whole float32 weights for the length of a save), so the sharded optimizer's registered saver
 streams them instead (`stream_to_chief`): a bucket of weights gathered, written by the chief under the weights' own
 keys, released, the next. The weights' own saveables then write nothing; in a checkpoint without the optimizer they
-still gather each weight whole (TensorFlow's way). A restore on several workers reads each weight whole.
+still gather each weight whole (TensorFlow's way). A restore on several workers made inside `reading_own_slices()`
+(tfmp's checkpoints restore so) reads only the boxes this worker's replicas hold, as on one machine; elsewhere (a
+user's own `tf.train.Checkpoint.restore`) each weight whole. The saveable cannot tell a restore from a save — TensorFlow
+makes it the same way for both — and a save across workers must name the weight whole, hence the explicit context.
 
 Not sharded: non-trainable variables (BatchNorm's moving statistics: small, and per replica as Keras keeps them),
 variables not in float32 (integer counters), and anything on one replica (nothing to shard).
@@ -36,12 +39,35 @@ variables not in float32 (integer counters), and anything on one replica (nothin
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
 from tfmp import keras_internals
 from tfmp.sharding import collectives
 from tfmp.sharding.layout import Layout
+
+
+_READING_OWN_SLICES = False
+
+
+@contextlib.contextmanager
+def reading_own_slices():
+    """Checkpoint restores made inside read, on several workers, only the slices of each zero3 weight that this
+    process's replicas hold (TensorFlow's bundle reader cuts them from a weight saved whole or in other slices). On
+    several workers a save inside is refused: each worker would write its own slices, and only the chief's are kept."""
+    global _READING_OWN_SLICES
+    previous, _READING_OWN_SLICES = _READING_OWN_SLICES, True
+    try:
+        yield
+    finally:
+        _READING_OWN_SLICES = previous
+
+
+def _refuse_save():
+    raise RuntimeError("a checkpoint saved inside tfmp.sharding.weights.reading_own_slices() on several workers would "
+                       "keep only the chief's slices of each zero3 weight; save outside it")
 
 
 def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -177,11 +203,11 @@ class Chunks:
         return flat_boxes(self.shape, *self.layout.held_range(self.index, replica))
 
     def saved_slices(self) -> list:
-        """`(slice spec, tensor or a function giving it, device)` for each slice this process saves: the boxes of its
-        replicas' chunks on one machine; the whole weight with several workers (the chief's checkpoint is kept) —
-        nothing when `stream_to_chief` wrote it in this save already, gathered here when it did not (a checkpoint
-        without the sharded optimizer)."""
-        if not self.one_machine or not self.shape:
+        """`(slice spec, tensor or a function giving it, device)` for each slice this process saves or restores: the
+        boxes of its replicas' chunks on one machine, or restoring inside `reading_own_slices()`; else, with several
+        workers, the whole weight (the chief's checkpoint is kept) — nothing when `stream_to_chief` wrote it in this
+        save already, gathered here when it did not (a checkpoint without the sharded optimizer)."""
+        if not self.shape or not (self.one_machine or _READING_OWN_SLICES):
             device = self.local_chunks()[0].device
             return [("", self._whole_unless_streamed, device)]
         slices = []
@@ -189,9 +215,10 @@ class Chunks:
             position = 0
             for offsets, lengths in self._boxes(replica):
                 count = int(np.prod(lengths))
-                slices.append((slice_spec(self.shape, offsets, lengths),
-                               lambda chunk=chunk, position=position, count=count, lengths=lengths:
-                               tf.reshape(tf.convert_to_tensor(chunk)[position:position + count], lengths), chunk.device))
+                read = (lambda chunk=chunk, position=position, count=count, lengths=lengths:
+                        tf.reshape(tf.convert_to_tensor(chunk)[position:position + count], lengths))
+                slices.append((slice_spec(self.shape, offsets, lengths), read if self.one_machine else _refuse_save,
+                               chunk.device))
                 position += count
         return slices
 
@@ -202,9 +229,10 @@ class Chunks:
         self.checkpoint_key = None
         return self.whole()
 
-    def restore_slices(self, tensors: list) -> None:
-        """Writes back what `saved_slices` named, read by TensorFlow from whatever layout saved it."""
-        if not self.one_machine or not self.shape:
+    def restore_slices(self, tensors: list, whole: bool) -> None:
+        """Writes back what `saved_slices` named (the whole weight, or this process's boxes), read by TensorFlow from
+        whatever layout saved it."""
+        if whole:
             self.assign_whole(tensors[0])
             return
         position = 0
