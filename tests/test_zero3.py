@@ -238,6 +238,28 @@ def test_two_workers_save_the_weights_whole_to_the_chiefs_checkpoint_a_bucket_at
             np.testing.assert_array_equal(restored, expected, err_msg=name)
 
 
+def test_fits_shape_tracing_of_a_built_zero3_model_reads_no_weight_whole(monkeypatch):
+    """Keras' symbolic build at the start of `fit()` (`compute_output_spec`: a scratch graph, never run) reads the
+    weights for their shapes only. It gathered each one whole, which on several workers traced one collective
+    function per weight into the process (ViT-B/16 on 2 workers: 270 functions instead of 72, ~0.2 GiB RSS)."""
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    fitted = {}
+    for stage in ("none", "zero3"):
+        model = _model(strategy, "sgd", stage)  # its optimizer built: zero3's weights are chunks before fit()
+        with strategy.scope():
+            model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        reads = []
+        original = weights.Chunks.whole
+        monkeypatch.setattr(weights.Chunks, "whole", lambda chunks: reads.append(chunks.variable.path) or original(chunks))
+        model.fit(images, labels, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        monkeypatch.setattr(weights.Chunks, "whole", original)
+        assert reads == [], reads
+        fitted[stage] = model
+    assert all(weights.is_sharded(variable) for variable in fitted["zero3"].trainable_weights)
+    _assert_close(fitted["none"], fitted["zero3"])  # the stand-ins gave Keras the shapes; the steps read the chunks
+
+
 def test_whole_reads_and_writes_outside_a_step_go_through_the_chunks():
     strategy = distribute.get_strategy("mirrored")
     sharded = _model(strategy, "sgd", "zero3")

@@ -297,8 +297,15 @@ class _ShardedVariable:
 
     @property
     def value(self):  # Keras' own `numpy`, `__array__` and `__tf_tensor__` read through it: whole outside a step
-        from keras.src.backend.common import stateless_scope
+        from keras.src.backend.common import stateless_scope, symbolic_scope
 
+        if symbolic_scope.in_symbolic_scope():
+            # Keras tracing shapes only (`compute_output_spec`, e.g. fit()'s symbolic build: a scratch graph never
+            # run): a stand-in of the weight's shape, not a gather — which on several workers traced one
+            # collective function per weight into the process (~0.4 GiB RSS for ViT-B/16's 198 weights).
+            import tensorflow as tf
+
+            return self._maybe_autocast(tf.zeros(self.shape, self.dtype))
         if stateless_scope.in_stateless_scope():
             mapped = stateless_scope.get_stateless_scope().get_current_value(self)
             if mapped is not None:

@@ -18,7 +18,9 @@ returns chunks, and `ShardedOptimizer(stage="zero3")` updates each replica's chu
 
 Outside a replica context (eager reads: `get_weights`, `numpy()`, export, evaluation callbacks) a weight reads whole:
 the local replicas' chunks concatenated on one machine, an all-gather across workers. Assigning a whole value (a
-restore, `set_weights`, the moving average swapped in) writes each replica its chunk.
+restore, `set_weights`, the moving average swapped in) writes each replica its chunk. Where Keras traces for shapes
+only (`compute_output_spec`, as in fit()'s symbolic build: a scratch graph never run) the weight reads as a stand-in
+of its shape, never gathered.
 
 Checkpoints: each weight is saved under its own key with its logical shape, as the slices its replicas hold (a flat
 chunk is a few rectangular boxes of the tensor: `flat_boxes`), and TensorFlow's bundle reader assembles any slice from
