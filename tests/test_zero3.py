@@ -228,6 +228,7 @@ def test_two_workers_save_the_weights_whole_to_the_chiefs_checkpoint_a_bucket_at
             own, all_whole = int(line.group(1)), int(line.group(3))  # within 2 MiB: what else the restore moves
             assert own <= total / 2 + max(layout.sizes) * 4 + 2**21 and all_whole >= total - 2**21, line.group(0)
         assert f"[worker {worker}] save inside reading_own_slices: refused" in run.stdout
+        assert f"[worker {worker}] keys left after restoring own slices: []" in run.stdout, run.stdout[-2000:]
     with np.load(tmp_path / "weights.npz") as saved:
         trained = [saved[f"arr_{index}"] for index in range(len(saved.files))]
     for name in ("with_optimizer", "model_only"):

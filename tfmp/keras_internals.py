@@ -342,7 +342,7 @@ class _ChunkSaveable(_saveable_base()[0]):
     def __init__(self, variable, name):
         save_spec = _saveable_base()[1]
         self.variable = variable
-        variable.sharded.checkpoint_key = name  # the key of the save in progress (`weights.stream_to_chief`)
+        variable.sharded.saveable_made(name)  # the key of the save in progress (`weights.stream_to_chief`)
         specs = [save_spec(tensor, spec, name, dtype="float32", device=device)
                  for spec, tensor, device in variable.sharded.saved_slices()]
         super().__init__(variable, specs, name)

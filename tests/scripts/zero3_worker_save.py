@@ -3,7 +3,7 @@
     python -m tfmp.launch --num_workers=2 tests/scripts/zero3_worker_save.py DIR
 
 Each worker trains a model of four 2048-wide Dense layers (64 MiB of float32 kernels, one 16 MiB kernel per bucket of
-the sharded layout) 3 steps under MultiWorkerMirroredStrategy with `ShardedOptimizer(stage="zero3")`, then saves twice:
+the sharded layout, and a 1-element PReLU slope of which worker 1 holds nothing) 3 steps under MultiWorkerMirroredStrategy with `ShardedOptimizer(stage="zero3")`, then saves twice:
 the model with its optimizer (what tfmp's checkpoints hold: the optimizer's registered saver streams the weights to the
 chief bucket by bucket) to DIR/with_optimizer, and the model alone (no stream: TensorFlow's own save gathers each weight
 whole) to DIR/model_only. Only the chief's checkpoints are kept; the other worker writes under DIR/worker1. While each
@@ -12,8 +12,8 @@ returns, until it is freed). Prints "peak whole bytes: with optimizer A, model o
 and the chief writes the weights it trained (gathered) to DIR/weights.npz for tests/test_zero3.py to compare with what
 a model on one device restores from either checkpoint. Then both workers restore the chief's checkpoint into their
 zeroed model, reading only their replicas' slices (`weights.reading_own_slices()`, as tfmp's checkpoints restore) and
-then each weight whole, and print the allocator's peak above the start of each and whether the weights came back
-exactly; and try a save inside `reading_own_slices()`, which several workers refuse.
+then each weight whole, and print the allocator's peak above the start of each, whether the weights came back
+exactly and which weights still carry a save's key after the own-slices restore (none may); and try a save inside `reading_own_slices()`, which several workers refuse.
 """
 
 import contextlib
@@ -42,7 +42,8 @@ def build():
     keras.utils.set_random_seed(0)
     return keras.Sequential([keras.Input((64,)), keras.layers.Dense(WIDTH, name="first"),
                              *[keras.layers.Dense(WIDTH, name=f"wide{index}") for index in range(4)],
-                             keras.layers.Dense(10, name="logits")])
+                             keras.layers.Dense(10, name="logits"),
+                             keras.layers.PReLU(shared_axes=[1], name="slope")])  # a 1-element weight: worker 1 holds none
 
 
 class LiveWholeBytes:
@@ -122,6 +123,9 @@ def main() -> int:
             tf.train.Checkpoint(model=model, optimizer=optimizer).read(
                 os.path.join(directory, "with_optimizer", "ckpt")).assert_existing_objects_matched()
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before if counts else None
+        if mode == "own slices":  # a save's key left on a weight would make this worker alone gather it at the next save
+            left = [weight.path for weight in model.weights if weights.is_sharded(weight) and weight.sharded.checkpoint_key]
+            print(f"keys left after restoring own slices: {left}", flush=True)
         exact = all(np.array_equal(got, expected) for got, expected in zip(model.get_weights(), trained))
         reads[mode] = (peak, exact)
     print("restore, allocator peak above the start and exact: " +

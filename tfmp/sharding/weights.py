@@ -116,6 +116,13 @@ class Chunks:
         self.checkpoint_key: str | None = None
         self.written_by_stream = False
 
+    def saveable_made(self, key: str) -> None:
+        """A checkpoint saveable of this weight was made under `key`: recorded for the save in progress
+        (`stream_to_chief`), but not inside `reading_own_slices()`, which only restores — there a weight with no slice
+        on this worker gets no restore call to clear it, and a key left behind would make this worker alone gather it
+        in the next save of the optimizer."""
+        self.checkpoint_key = None if _READING_OWN_SLICES else key
+
     @property
     def storage(self):
         """This replica's chunk (in replica context), or the per-replica variable holding every local one."""
