@@ -3,17 +3,20 @@
     python -m tfmp.launch --num_workers=2 tests/scripts/zero3_worker_save.py DIR
 
 Each worker trains a model of four 2048-wide Dense layers (64 MiB of float32 kernels, one 16 MiB kernel per bucket of
-the sharded layout, and a 1-element PReLU slope of which worker 1 holds nothing) 3 steps under MultiWorkerMirroredStrategy with `ShardedOptimizer(stage="zero3")`, then saves twice:
+the sharded layout, and a 1-element PReLU slope of which worker 1 holds nothing) 3 steps under
+MultiWorkerMirroredStrategy with `ShardedOptimizer(stage="zero3")`, then saves twice:
 the model with its optimizer (what tfmp's checkpoints hold: the optimizer's registered saver streams the weights to the
 chief bucket by bucket) to DIR/with_optimizer, and the model alone (no stream: TensorFlow's own save gathers each weight
 whole) to DIR/model_only. Only the chief's checkpoints are kept; the other worker writes under DIR/worker1. While each
 save runs, the bytes of whole weights alive at once in the process are counted (each whole weight `Chunks.whole`
-returns, until it is freed). Prints "peak whole bytes: with optimizer A, model only B of C" (`tfmp.launch` prefixes each worker's lines),
+returns, until it is freed). Prints "peak whole bytes: with optimizer A, model only B of C" (`tfmp.launch` prefixes
+each worker's lines),
 and the chief writes the weights it trained (gathered) to DIR/weights.npz for tests/test_zero3.py to compare with what
 a model on one device restores from either checkpoint. Then both workers restore the chief's checkpoint into their
 zeroed model, reading only their replicas' slices (`weights.reading_own_slices()`, as tfmp's checkpoints restore) and
 then each weight whole, and print the allocator's peak above the start of each, whether the weights came back
-exactly and which weights still carry a save's key after the own-slices restore (none may); and try a save inside `reading_own_slices()`, which several workers refuse.
+exactly and which weights still carry a save's key after the own-slices restore (none may); and try a save inside
+`reading_own_slices()`, which several workers refuse.
 """
 
 import contextlib
