@@ -80,6 +80,25 @@ def test_two_workers_train_with_zero1_like_without(tmp_path):
     assert sharded["train_loss"] == pytest.approx(plain["train_loss"], rel=0.02)
 
 
+@pytest.mark.slow  # ~25 s
+def test_two_workers_pretrain_under_zero3_and_the_chief_exports_the_encoder(tmp_path):
+    """SSL pretraining ends by exporting `encoder.keras`, written by the chief alone; under zero3 on several workers
+    reading the sharded weights is a collective, so every worker builds the export (before: the chief's gathers met
+    the other worker's evaluation, which ended first, and the chief failed). The file loads without tfmp."""
+    import keras
+    import numpy as np
+
+    workdir = tmp_path / "simclr"
+    result = _launch("--num_workers=2", "--flagfile=experiments/digits_simclr.cfg", "--smoke", "--compare_supervised=false",
+                     f"--precision={AUTO_PRECISION}", "--sharding=zero3", "--ema_momentum=0.9", f"--workdir={workdir}")
+    assert result.returncode == 0, result.stdout[-3000:]
+    metrics = _metrics(workdir)
+    assert metrics["num_replicas"] == 2 and metrics["linear_probe_accuracy"] > 0.3 and "ema_linear_probe_accuracy" in metrics
+    for name in ("encoder.keras", "encoder_ema.keras"):
+        encoder = keras.saving.load_model(str(workdir / name))
+        assert np.isfinite(encoder(np.zeros((1, 8, 8, 1), np.float32))).all()
+
+
 def test_two_workers_train_digits_like_one_process(tmp_path, run_cli):
     """Real gRPC collectives between two processes on 127.0.0.1 (needs tfmp/upstream.py's Keras fixes)."""
     two = tmp_path / "two_workers"

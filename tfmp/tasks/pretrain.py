@@ -126,9 +126,12 @@ def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: 
                         # tokens by their share), forward + backward (the heads are not counted)
                         flops_per_example=views(config, data.image_shape) * 3
                         * flops.forward_flops_per_example(encoder, data.image_shape))
+    # Keras' own layers only, so the file loads without tfmp (tfmp.models.export). Built on every worker: under zero3
+    # on several workers reading a weight is a collective every worker joins; only the chief writes it.
+    exported = export.portable(encoder)
     if runtime.chief:
-        # Keras' own layers only, so the file loads without tfmp (tfmp.models.export).
-        export.portable(encoder).save(directory.encoder_file)
+        exported.save(directory.encoder_file)
+    del exported
 
     pretrained = time.perf_counter()
     progress.start(1)
@@ -143,8 +146,10 @@ def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: 
     }
     if averaging.has_average(model.optimizer):  # the moving average, measured and exported the same way
         with averaging.averaged(model):
+            exported = export.portable(encoder)  # on every worker, as above
             if runtime.chief:
-                export.portable(encoder).save(directory.encoder_average_file)
+                exported.save(directory.encoder_average_file)
+            del exported
             metrics.update({f"ema_{name}": value for name, value in
                             evaluate_over_draws(config, data, encoder, runtime.jit_compile).items() if name != "labeled_examples"})
     # Seconds per phase, so a comparison of methods can leave out the (shared) baseline.
