@@ -35,6 +35,12 @@ still gather each weight whole (TensorFlow's way). A restore on several workers 
 user's own `tf.train.Checkpoint.restore`) each weight whole. The saveable cannot tell a restore from a save — TensorFlow
 makes it the same way for both — and a save across workers must name the weight whole, hence the explicit context.
 
+Followers: a momentum target (BYOL's, MoCo v3's, DINO's teacher) is a second copy of the weights, averaged from
+them each step. `follow(targets, online)` keeps each target weight in its online weight's layout — sharded when that
+one is — so each replica holds the same chunk of both, the average runs chunk by chunk with no collective
+(`average_chunks`), the target is gathered where its layers read it, and it is checkpointed (and streamed to the
+chief, after its leaders' bucket) as any sharded weight. The target costs each replica W/N, not W.
+
 Not sharded: non-trainable variables (BatchNorm's moving statistics: small, and per replica as Keras keeps them),
 variables not in float32 (integer counters), and anything on one replica (nothing to shard).
 """
@@ -115,6 +121,7 @@ class Chunks:
         # whether `stream_to_chief` has written it in that save already (then TensorFlow's own save writes nothing).
         self.checkpoint_key: str | None = None
         self.written_by_stream = False
+        self.followers: list[Chunks] = []  # the weights that average this one, in its layout (`follow`)
 
     def saveable_made(self, key: str) -> None:
         """A checkpoint saveable of this weight was made under `key`: recorded for the save in progress
@@ -249,27 +256,34 @@ class Chunks:
             boxes = self._boxes(replica)
             parts = [tf.reshape(tensor, [-1]) for tensor in tensors[position:position + len(boxes)]]
             position += len(boxes)
-            values = tf.concat(parts, axis=0) if parts else tf.zeros([0])
-            chunk.assign(tf.pad(tf.cast(values, tf.float32), [[0, self.chunk - int(values.shape[0])]]))
+            # No copy where none is needed (one box, no padding): the restore holds every slice until its end, so
+            # each temporary here adds a chunk to its peak.
+            values = tf.cast(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0) if parts else tf.zeros([0]), tf.float32)
+            missing = self.chunk - int(values.shape[0])
+            chunk.assign(tf.pad(values, [[0, missing]]) if missing else values)
 
 
 def stream_to_chief(variables: list, layout: Layout, prefix) -> list:
-    """Several workers: writes the sharded weights of `variables` (in `layout`'s order) that the save in progress
-    holds, a bucket at a time — each weight all-gathered (every worker takes part), the chief writing the bucket under
-    the weights' own checkpoint keys, whole, before the next bucket is gathered. No process holds more than one bucket
-    of whole weights (TensorFlow's own save would evaluate every weight's tensor before writing any). Returns the
-    bundles written (the chief's; TensorFlow merges them into the checkpoint), to be called from a registered saver,
-    which TensorFlow runs after the save's saveables are made (they set the keys) and before their tensors are read."""
-    streamed = {variable.sharded.index: variable.sharded for variable in variables
-                if is_sharded(variable) and variable.sharded.checkpoint_key and not variable.sharded.one_machine}
-    if not streamed:
+    """Several workers: writes the sharded weights of `variables` (in `layout`'s order) and their followers (`follow`)
+    that the save in progress holds, a bucket at a time — each weight all-gathered (every worker takes part), the chief
+    writing the bucket under the weights' own checkpoint keys, whole, before the next bucket is gathered; a bucket's
+    followers are a bucket of their own. No process holds more than one bucket of whole weights (TensorFlow's own save
+    would evaluate every weight's tensor before writing any). Returns the bundles written (the chief's; TensorFlow
+    merges them into the checkpoint), to be called from a registered saver, which TensorFlow runs after the save's
+    saveables are made (they set the keys) and before their tensors are read."""
+    leaders = {variable.sharded.index: variable.sharded for variable in variables
+               if is_sharded(variable) and not variable.sharded.one_machine}
+    groups = []
+    for bucket in layout.buckets:
+        members = [leaders[index] for index in bucket if index in leaders]
+        groups += [[chunks for chunks in members if chunks.checkpoint_key],
+                   [follower for chunks in members for follower in chunks.followers if follower.checkpoint_key]]
+    groups = [group for group in groups if group]
+    if not groups:
         return []
-    chief = next(iter(streamed.values())).strategy.extended.should_checkpoint
+    chief = groups[0][0].strategy.extended.should_checkpoint
     prefixes = []
-    for number, bucket in enumerate(layout.buckets):
-        members = [streamed[index] for index in bucket if index in streamed]
-        if not members:
-            continue
+    for number, members in enumerate(groups):
         names = [chunks.checkpoint_key for chunks in members]
         tensors = [chunks.whole() for chunks in members]
         for chunks in members:
@@ -300,18 +314,67 @@ def shardable(variable) -> bool:
 
 def shard_weights(variables: list, layout: Layout, strategy, reduction, replica_ids: list[int]) -> None:
     """Replaces each shardable variable's whole mirrored storage with per-replica chunks, in place (see the module
-    docstring). `layout` is over all `variables` (their logical sizes); `replica_ids` are this process's replicas'
-    global ids, in `experimental_local_results` order."""
+    docstring), and so its followers' (`follow`). `layout` is over all `variables` (their logical sizes); `replica_ids`
+    are this process's replicas' global ids, in `experimental_local_results` order."""
     for index, variable in enumerate(variables):
         if is_sharded(variable) or not shardable(variable):
             continue
-        chunk = layout.chunks[index]
-        whole = tf.reshape(tf.convert_to_tensor(keras_internals.variable_storage(variable)), [-1])  # every copy is equal
-        padded = tf.reshape(tf.pad(whole, [[0, layout.replicas * chunk - layout.sizes[index]]]), [layout.replicas, chunk])
-        with strategy.scope():
-            storage = tf.Variable(tf.zeros([chunk]), trainable=True, name=variable.name,
-                                  synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.NONE)
-        for replica, component in zip(replica_ids, strategy.experimental_local_results(storage)):
-            component.assign(padded[replica])
-        del whole, padded
-        keras_internals.shard_variable(variable, storage, Chunks(variable, layout, index, strategy, reduction, replica_ids))
+        chunks = _shard(variable, Chunks(variable, layout, index, strategy, reduction, replica_ids))
+        for follower in getattr(variable, "sharded_followers", ()):
+            _shard_as(follower, chunks)
+
+
+def follow(followers: list, leaders: list) -> None:
+    """Declares each of `followers` an average of the leader beside it: a momentum target's weights (BYOL's, MoCo v3's,
+    DINO's teacher) and the online weights they follow. Under zero3 a follower is kept in its leader's layout — sharded
+    when its leader is, now or when the sharded optimizer shards it — so each replica holds the same chunk of both: the
+    average updates chunk by chunk with no collective (`average_chunks`), the follower is gathered where a layer reads
+    it as its leader is, and it is checkpointed and streamed to the chief the same way. Elsewhere nothing changes."""
+    for follower, leader in zip(followers, leaders, strict=True):
+        if tuple(follower.shape) != tuple(leader.shape):
+            raise ValueError(f"{follower.path} cannot follow {leader.path}: shapes {tuple(follower.shape)} and "
+                             f"{tuple(leader.shape)}")
+        if is_sharded(leader):
+            _shard_as(follower, leader.sharded)
+        else:
+            leader.sharded_followers = [*getattr(leader, "sharded_followers", ()), follower]
+
+
+def average_chunks(follower, leader, momentum: tf.Tensor) -> None:
+    """`follower <- momentum * follower + (1 - momentum) * leader` on this replica's chunks (inside `strategy.run`), or
+    on every local replica's (outside): both are in one layout (`follow`), so no collective. The padding averages
+    zeros into zeros."""
+    own, leading = follower.sharded, leader.sharded
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        pairs = [(own.storage, leading.storage)]
+    else:
+        pairs = list(zip(own.local_chunks(), leading.local_chunks()))
+    for target, online in pairs:
+        target.assign(momentum * tf.convert_to_tensor(target) + (1.0 - momentum) * tf.convert_to_tensor(online))
+
+
+def _shard_as(follower, chunks: Chunks) -> None:
+    """`follower` sharded in the layout of the weight `chunks` describes (`follow`)."""
+    if is_sharded(follower):
+        return
+    if tf.dtypes.as_dtype(follower.dtype) != tf.float32:
+        raise ValueError(f"sharding=zero3 shards float32 weights; {follower.path} follows a sharded weight but is "
+                         f"{tf.dtypes.as_dtype(follower.dtype).name}")
+    chunks.followers.append(_shard(follower, Chunks(follower, chunks.layout, chunks.index, chunks.strategy,
+                                                    chunks.reduction, chunks.replica_ids)))
+
+
+def _shard(variable, chunks: Chunks) -> Chunks:
+    """`variable`'s whole storage replaced by its replicas' chunks, which `chunks` (over `variable`) describes."""
+    layout, strategy, chunk = chunks.layout, chunks.strategy, chunks.chunk
+    whole = tf.reshape(tf.convert_to_tensor(keras_internals.variable_storage(variable)), [-1])  # every copy is equal
+    padded = tf.reshape(tf.pad(whole, [[0, layout.replicas * chunk - chunks.size]]), [layout.replicas, chunk])
+    with strategy.scope():
+        storage = tf.Variable(tf.zeros([chunk]), trainable=True, name=variable.name,
+                              synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.NONE)
+    for replica, component in zip(chunks.replica_ids, strategy.experimental_local_results(storage)):
+        component.assign(padded[replica])
+    del whole, padded
+    keras_internals.shard_variable(variable, storage, chunks)
+    return chunks

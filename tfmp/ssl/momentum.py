@@ -12,6 +12,11 @@ Numerics and replicas, the two places this goes wrong:
 * it runs like an optimizer update (`tf.distribute` merge call, then `extended.update` per
   device), so every replica's copy receives the same value and the copies never drift.
 
+Under `--sharding=zero3` the target's weights follow the online ones' layout
+(`tfmp.sharding.weights.follow`): each replica holds the same 1/N chunk of both, the update
+averages those chunks in place with no collective, and the target's forward pass gathers its
+weights as the online one does — the target costs W/N a replica, not W.
+
 The target's variables are part of the model (checkpointed with it: a resumed run continues
 the same trajectory) but not of `trainable_variables`, so the optimizer keeps no slots for them.
 The target runs in training mode (batch statistics), as in BYOL and MoCo v3.
@@ -25,6 +30,7 @@ import keras
 import tensorflow as tf
 
 from tfmp import keras_internals
+from tfmp.sharding import weights as sharded_weights
 from tfmp.ssl.two_view import TwoViewModel
 
 
@@ -35,15 +41,23 @@ def momentum_at(step: tf.Tensor, total_steps: int, target_momentum: float) -> tf
 
 
 def update_target(target_variables: list, online_variables: list, momentum: tf.Tensor) -> None:
-    """`target <- momentum * target + (1 - momentum) * online` in float32, on every replica's copy."""
+    """`target <- momentum * target + (1 - momentum) * online` in float32, on every replica's copy (or, under zero3,
+    on every replica's chunk: `sharded_weights.average_chunks`)."""
+    momentum = tf.cast(momentum, tf.float32)
+    whole = []
+    for target, online in zip(target_variables, online_variables):
+        if sharded_weights.is_sharded(target):
+            sharded_weights.average_chunks(target, online, momentum)
+        else:
+            whole.append((target.value, online.value))
 
     def update(distribution, pairs, momentum):
         for target, online in pairs:
             distribution.extended.update(
                 target, lambda t, o, m: t.assign(m * t + (1.0 - m) * tf.cast(o, t.dtype)), args=(online, momentum), group=False)
 
-    pairs = [(target.value, online.value) for target, online in zip(target_variables, online_variables)]
-    keras_internals.maybe_merge_call(update, tf.distribute.get_strategy(), pairs, tf.cast(momentum, tf.float32))
+    if whole:
+        keras_internals.maybe_merge_call(update, tf.distribute.get_strategy(), whole, momentum)
 
 
 def copy_network(network: keras.Model, name: str) -> keras.Model:
@@ -82,6 +96,7 @@ class MomentumTwoViewModel(TwoViewModel):
         if len(online) != len(target) or mismatched:
             raise ValueError(f"the target network does not match the online one ({len(target)} vs {len(online)} weights"
                              f"{', first mismatch ' + mismatched[0] if mismatched else ''})")
+        sharded_weights.follow(target, online)  # under zero3 the target is sharded as the online weights are
 
     def online_target_weights(self) -> list:
         """The online weights the target follows: encoder and projector, trainable ones."""
