@@ -9,9 +9,11 @@ reads, writes and checkpoints; `tfmp.keras_internals.shard_variable` routes the 
 Where a layer reads the weight inside `strategy.run` (Keras converts `self.kernel` to a tensor in `call`), every
 replica's chunk is all-gathered — in the compute dtype when Keras' autocast would cast it anyway (bf16/fp16 copies:
 half the bytes moved) — reshaped, and used; nothing keeps the gathered copy but the ops that need it. So the unit of
-gathering is the weight: gathered just before the layer that reads it runs and released after its last use — in the
-backward pass when that pass needs it (a matmul's input gradient does), and under `--remat` the recomputed forward
-gathers again instead of keeping it. The gather's gradient is the reduce-scatter ZeRO needs: each replica receives the
+gathering is the weight: gathered where the layer reads it and released after its last use — in the backward pass
+when that pass needs it (a matmul's input gradient does), and under `--remat` the recomputed forward gathers again
+instead of keeping it. When, is TensorFlow's executor's choice: a gather's only input is the chunk, so a step's
+gathers are issued as it starts and their copies are alive together (BUILD_NOTES: measured, and what making each wait
+for the layer before would buy). The gather's gradient is the reduce-scatter ZeRO needs: each replica receives the
 sum over replicas of its chunk's gradient (a float32 all-reduce of which each replica keeps its chunk off GPUs; NCCL's
 reduce-scatter where `collectives.choose_gradient_reduction` finds GPUs), so `tape.gradient(loss, model.trainable_weights)`
 returns chunks, and `ShardedOptimizer(stage="zero3")` updates each replica's chunks in place, with no collective.

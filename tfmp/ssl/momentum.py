@@ -15,7 +15,7 @@ Numerics and replicas, the two places this goes wrong:
 Under `--sharding=zero3` the target's weights follow the online ones' layout
 (`tfmp.sharding.weights.follow`): each replica holds the same 1/N chunk of both, the update
 averages those chunks in place with no collective, and the target's forward pass gathers its
-weights as the online one does — the target costs W/N a replica, not W.
+weights as the online one does — a replica holds W/N of the target, not W.
 
 The target's variables are part of the model (checkpointed with it: a resumed run continues
 the same trajectory) but not of `trainable_variables`, so the optimizer keeps no slots for them.
