@@ -199,6 +199,7 @@ def test_the_fixed_decoder_positions_tell_every_token_apart():
     assert not np.array_equal(positions[0, :16], positions[6, :16])
 
 
+@pytest.mark.slow  # ~55 s: a pretraining, its probes and two fine-tunes
 def test_compare_finetune_fine_tunes_a_copy_of_the_pretrained_encoder_per_draw(tmp_path, monkeypatch):
     """--compare_finetune: each label draw fine-tunes a fresh copy of the encoder just pretrained (the one saved), with
     --layer_decay (the baseline's recipe drops it); finetune_accuracy is reported per draw."""
