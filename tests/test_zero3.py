@@ -334,8 +334,9 @@ def test_a_momentum_target_is_sharded_like_the_online_weights_and_averages_chunk
         assert target.sharded.index == leader.sharded.index
         assert [tuple(chunk.shape) for chunk in target.sharded.local_chunks()] == [(leader.sharded.chunk,)] * 2
     whole_bytes = sum(int(np.prod(weight.shape)) * 4 for weight in targets)
-    replica_bytes = sum(int(target.sharded.chunk) * 4 for target in targets)
-    assert replica_bytes <= whole_bytes / 2 + 4 * len(targets)
+    for replica in (0, 1):  # from where the variables are placed
+        placed = sum(int(np.prod(target.sharded.local_chunks()[replica].shape)) * 4 for target in targets)
+        assert placed <= whole_bytes / 2 + 4 * len(targets)
     before = [weight.numpy() for weight in targets]
     digits = data.load("digits")
     model.fit(data.classification_pipeline(digits.train, 32, training=True, indices=np.arange(32)), epochs=1, verbose=0)
@@ -352,6 +353,15 @@ def test_a_momentum_target_is_sharded_like_the_online_weights_and_averages_chunk
     tf.train.Checkpoint(model=single).read(path).expect_partial()
     for restored, saved in zip(single.target_weights(), targets, strict=True):
         np.testing.assert_array_equal(restored.numpy(), saved.numpy(), err_msg=saved.path)
+
+
+def test_a_target_that_does_not_match_the_weights_it_follows_is_refused_naming_the_first_mismatch():
+    online = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="online")])
+    target = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, name="target")])
+    with pytest.raises(ValueError, match=r"\(2 vs 2 weights, first mismatch \S*target/kernel\)"):
+        weights.follow(target.trainable_weights, online.trainable_weights)
+    with pytest.raises(ValueError, match=r"\(1 vs 2 weights"):
+        weights.follow(target.trainable_weights[1:], online.trainable_weights)
 
 
 def test_the_cli_trains_with_zero3_like_without_and_its_dry_run_counts_each_replicas_share(tmp_path):

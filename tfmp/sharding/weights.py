@@ -204,9 +204,8 @@ class Chunks:
 
     def assign_whole(self, value) -> None:
         """A whole value written (a restore, `set_weights`, an average swapped in): each replica takes its chunk."""
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            self.storage.assign(self.chunk_of(value, context.replica_id_in_sync_group))
+        if self.in_replica_context():
+            self.storage.assign(self.chunk_of(value, tf.distribute.get_replica_context().replica_id_in_sync_group))
             return
         for replica, chunk in zip(self.replica_ids, self.local_chunks()):
             chunk.assign(self.chunk_of(value, replica))
@@ -260,7 +259,11 @@ class Chunks:
             position += len(boxes)
             # No copy where none is needed (one box, no padding): the restore holds every slice until its end, so
             # each temporary here adds a chunk to its peak.
-            values = tf.cast(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0) if parts else tf.zeros([0]), tf.float32)
+            if len(parts) == 1:
+                values = parts[0]
+            else:  # several boxes, or none (a replica holding only padding)
+                values = tf.concat(parts, axis=0) if parts else tf.zeros([0])
+            values = tf.cast(values, tf.float32)
             missing = self.chunk - int(values.shape[0])
             chunk.assign(tf.pad(values, [[0, missing]]) if missing else values)
 
@@ -332,10 +335,11 @@ def follow(followers: list, leaders: list) -> None:
     when its leader is, now or when the sharded optimizer shards it — so each replica holds the same chunk of both: the
     average updates chunk by chunk with no collective (`average_chunks`), the follower is gathered where a layer reads
     it as its leader is, and it is checkpointed and streamed to the chief the same way. Elsewhere nothing changes."""
-    for follower, leader in zip(followers, leaders, strict=True):
-        if tuple(follower.shape) != tuple(leader.shape):
-            raise ValueError(f"{follower.path} cannot follow {leader.path}: shapes {tuple(follower.shape)} and "
-                             f"{tuple(leader.shape)}")
+    mismatched = [follower.path for follower, leader in zip(followers, leaders) if tuple(follower.shape) != tuple(leader.shape)]
+    if len(followers) != len(leaders) or mismatched:
+        raise ValueError(f"the target weights do not match the weights they follow ({len(followers)} vs {len(leaders)} "
+                         f"weights{', first mismatch ' + mismatched[0] if mismatched else ''})")
+    for follower, leader in zip(followers, leaders):
         if is_sharded(leader):
             _shard_as(follower, leader.sharded)
         else:
@@ -347,8 +351,7 @@ def average_chunks(follower, leader, momentum: tf.Tensor) -> None:
     on every local replica's (outside): both are in one layout (`follow`), so no collective. The padding averages
     zeros into zeros."""
     own, leading = follower.sharded, leader.sharded
-    context = tf.distribute.get_replica_context()
-    if context is not None and context.num_replicas_in_sync > 1:
+    if Chunks.in_replica_context():
         pairs = [(own.storage, leading.storage)]
     else:
         pairs = list(zip(own.local_chunks(), leading.local_chunks()))

