@@ -91,6 +91,7 @@ def _hooks() -> list[tuple[str, object, str]]:
     import tensorflow as tf
 
     from keras.src import tree as keras_tree
+    from tensorflow.python.eager import record
     from tensorflow.python.saved_model import registration as saved_model_registration
 
     trainer = tensorflow_trainer()
@@ -123,6 +124,7 @@ def _hooks() -> list[tuple[str, object, str]]:
              ("MirroredStrategy", tf.distribute.MirroredStrategy, "_collective_key_base"),
              ("tf.__internal__.tracking", tf.__internal__.tracking, "Trackable"),
              ("tensorflow.python.saved_model.registration", saved_model_registration, "register_checkpoint_saver"),
+             ("tensorflow.python.eager.record", record, "should_record_backprop"),
              *(("Keras variable (TensorFlow)", variables[0], name) for name in SHARDED_VARIABLE_HOOKS),
              ("tf.Variable", variables[0].value, "_unique_id"), ("Optimizer (TensorFlow)", keras.optimizers.Optimizer, "_var_key")]
     if isinstance(getattr(tf.distribute.MirroredStrategy, "_collective_key_base", None), int):
@@ -279,6 +281,15 @@ def register_checkpoint_saver(*, package: str, name: str, predicate, save_fn, re
 
     registration.register_checkpoint_saver(package=package, name=name, predicate=predicate, save_fn=save_fn,
                                            restore_fn=restore_fn)
+
+
+def tape_records(tensor) -> bool:
+    """Whether a `tf.GradientTape` being recorded watches `tensor` — so that ops using it are kept for a backward pass
+    (`tensorflow.python.eager.record.should_record_backprop`; TensorFlow exports no public test). False outside every
+    tape, inside `tape.stop_recording()` (the first forward pass of `tf.recompute_grad`) and for unwatched tensors."""
+    from tensorflow.python.eager import record
+
+    return bool(record.should_record_backprop([tensor]))
 
 
 # ------------------------------------------------------------------ ZeRO-3's sharded weights (tfmp.sharding.weights)

@@ -41,8 +41,8 @@ def recomputing():
     second time: tfmp's BatchNormalization skips its moving-statistics update inside
     this block (otherwise every checkpointed BatchNorm would average each batch in twice).
     """
-    previous = getattr(_recomputation, "active", False)
-    _recomputation.active = True
+    previous = getattr(_recomputation, "active", None)
+    _recomputation.active = object()  # a token for this repeat: zero3's gathers tell one repeat from the next by it
     try:
         yield
     finally:
@@ -50,7 +50,12 @@ def recomputing():
 
 
 def is_recomputing() -> bool:
-    return getattr(_recomputation, "active", False)
+    return current_recomputation() is not None
+
+
+def current_recomputation():
+    """A token naming the repeat of a forward pass in progress (`recomputing()`), or None outside one."""
+    return getattr(_recomputation, "active", None)
 
 
 def first_call_updates_state(function):

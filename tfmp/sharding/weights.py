@@ -11,12 +11,14 @@ replica's chunk is all-gathered — in the compute dtype when Keras' autocast wo
 half the bytes moved) — reshaped, and used; nothing keeps the gathered copy but the ops that need it. So the unit of
 gathering is the weight: gathered where the layer reads it and released after its last use — in the backward pass
 when that pass needs it (a matmul's input gradient does), and under `--remat` the recomputed forward gathers again
-instead of keeping it. When, is TensorFlow's executor's choice: a gather's only input is the chunk, so a step's
-gathers are issued as it starts and their copies are alive together (BUILD_NOTES: measured, and what making each wait
-for the layer before would buy). The gather's gradient is the reduce-scatter ZeRO needs: each replica receives the
-sum over replicas of its chunk's gradient (a float32 all-reduce of which each replica keeps its chunk off GPUs; NCCL's
-reduce-scatter where `collectives.choose_gradient_reduction` finds GPUs), so `tape.gradient(loss, model.trainable_weights)`
-returns chunks, and `ShardedOptimizer(stage="zero3")` updates each replica's chunks in place, with no collective.
+instead of keeping it. When: a gather's only input is the chunk, so left alone TensorFlow's executor issues a step's
+gathers as it starts. Where a tape keeps the copy for a backward pass, that is left so (the gathers overlap the
+forward pass); where none does — inference, a momentum target's forward pass, `--remat`'s blocks — each gather waits
+for the layer before (`_gather_waits`), and a replica holds about one gathered weight at a time. The gather's
+gradient is the reduce-scatter ZeRO needs: each replica receives the sum over replicas of its chunk's gradient (a
+float32 all-reduce of which each replica keeps its chunk off GPUs; NCCL's reduce-scatter where
+`collectives.choose_gradient_reduction` finds GPUs), so `tape.gradient(loss, model.trainable_weights)` returns chunks,
+and `ShardedOptimizer(stage="zero3")` updates each replica's chunks in place, with no collective.
 
 Outside a replica context (eager reads: `get_weights`, `numpy()`, export, evaluation callbacks) a weight reads whole:
 the local replicas' chunks concatenated on one machine, an all-gather across workers. Assigning a whole value (a
@@ -50,11 +52,13 @@ variables not in float32 (integer counters), and anything on one replica (nothin
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import numpy as np
 import tensorflow as tf
 
 from tfmp import keras_internals
+from tfmp.models import remat
 from tfmp.sharding import collectives
 from tfmp.sharding.layout import Layout
 
@@ -178,7 +182,9 @@ class Chunks:
 
             return whole, gradient
 
-        return gather(tf.convert_to_tensor(self.storage))
+        own = tf.convert_to_tensor(self.storage)
+        with tf.control_dependencies(_gather_waits(device, kept=keras_internals.tape_records(own))):
+            return gather(own)
 
     def whole(self) -> tf.Tensor:
         """The whole weight in float32, outside a replica context: this process's chunks concatenated, or all-gathered
@@ -299,6 +305,37 @@ def stream_to_chief(variables: list, layout: Layout, prefix) -> list:
             prefixes.append(bucket_prefix)
         del tensors
     return prefixes
+
+
+# Per traced graph and device: (the replica's newest op when a weight was last read there, the recomputation then).
+_PREVIOUS_READS: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
+
+
+def _gather_waits(device: str, kept: bool) -> list:
+    """The ops a gather traced now on `device` must wait for, so that its copy is made shortly before its layer runs
+    where nothing keeps it for a backward pass.
+
+    A gather's only input is the replica's chunk, which exists when the step starts, so TensorFlow's executor would
+    issue every gather of a step at once and hold every gathered copy together. Where a backward pass keeps the copy
+    anyway (`kept`: a tape records it) that costs nothing and lets the gathers overlap the forward pass; there no
+    wait. Elsewhere each gather waits for the replica's newest op when the previous weight was read: about one layer
+    of prefetch, as FSDP's. That is inference, a momentum target's forward pass, and `--remat`'s blocks — their
+    first forward pass runs unrecorded, and a block's recomputation (`remat.current_recomputation()`) gathers after
+    the backward pass reached it (its first gather waits for the newest op then, which follows the block's incoming
+    gradient; `tf.recompute_grad` orders only the block's inputs after it, not its weight reads). Ops created earlier
+    cannot depend on the gather, so no wait deadlocks; each replica waits for its own ops only."""
+    if tf.executing_eagerly():
+        return []
+    graph = tf.compat.v1.get_default_graph()
+    newest = next((op for op in reversed(graph.get_operations()) if op.device == device), None)
+    recomputation = remat.current_recomputation()
+    reads = _PREVIOUS_READS.setdefault(graph, {})
+    previous, reads[device] = reads.get(device), (newest, recomputation)
+    if recomputation is not None and (previous is None or previous[1] is not recomputation):
+        return [newest] if newest is not None else []
+    if kept and recomputation is None:
+        return []
+    return [previous[0]] if previous is not None and previous[0] is not None else []
 
 
 def _placed(tensor, device) -> tf.Tensor:
