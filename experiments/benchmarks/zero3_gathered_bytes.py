@@ -1,0 +1,85 @@
+"""How many bytes zero3's gathered weights hold at a call's peak, with and without the gathers waiting for the layer
+before (`tfmp.sharding.weights._gather_waits`), on 2 logical CPU replicas.
+
+    python experiments/benchmarks/zero3_gathered_bytes.py --model=vit_base_p16 --image_size=32 --batch=32 --remat=blocks
+
+Builds `--model`'s classifier under MirroredStrategy with `ShardedOptimizer(AdamW, stage="zero3")`, then measures the
+TensorFlow allocator's peak above the start of each call on replica 0's device (medians of `--calls` calls after a
+warm-up): an inference pass, a forward and backward pass (the gradients, no update), and a whole training step. With
+`--no_waits` every gather is issued when the call starts, as before the waits existed. Needs TensorFlow's allocator
+statistics on the CPU (oneDNN on: `tfmp.tf_environment` turns it on). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from tfmp import tf_environment
+
+tf_environment.prepare()
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfmp import distribute, models, sharding  # noqa: E402
+from tfmp.sharding import weights  # noqa: E402
+
+
+def peak_mib(function, batch, calls: int) -> float:
+    """Median allocator peak (MiB above the call's start, replica 0's device) of `function(batch)` after a warm-up."""
+    function(batch)
+    peaks = []
+    for _ in range(calls):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        function(batch)
+        peaks.append((tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / 2**20)
+    return round(statistics.median(peaks), 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vit_base_p16")
+    parser.add_argument("--image_size", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32, help="images per replica")
+    parser.add_argument("--remat", default="blocks", choices=["none", "blocks"])
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--no_waits", action="store_true", help="issue every gather at the call's start (as before)")
+    flags = parser.parse_args()
+    if flags.no_waits:
+        weights._gather_waits = lambda device, kept: []
+    distribute.split_cpu(2)
+    strategy = distribute.get_strategy("mirrored")
+    keras.utils.set_random_seed(0)
+    shape = (flags.image_size, flags.image_size, 3)
+    with strategy.scope():
+        model = models.build_classifier(models.build_encoder(flags.model, shape, remat=flags.remat), 10)
+        model.optimizer = sharding.ShardedOptimizer(keras.optimizers.AdamW(1e-4), stage="zero3")
+        model.optimizer.build(model.trainable_variables)
+    batch = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.random.stateless_normal((flags.batch, *shape), seed=[context.replica_id_in_sync_group, 0]))
+
+    def gradients(images):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(images, training=True)))
+        return tape.gradient(loss, model.trainable_variables)
+
+    def summed_gradients(images):  # each gradient consumed as it comes, none returned
+        return tf.add_n([tf.reduce_sum(gradient) for gradient in gradients(images)])
+
+    def train_step(images):
+        model.optimizer.apply_gradients(zip(gradients(images), model.trainable_variables))
+
+    run = lambda step: tf.function(lambda images: strategy.run(step, args=(images,)))
+    result = {"model": flags.model, "image_size": flags.image_size, "batch_per_replica": flags.batch,
+              "remat": flags.remat, "waits": not flags.no_waits,
+              "inference_mib": peak_mib(run(lambda images: tf.reduce_sum(model(images, training=False))), batch, flags.calls),
+              "forward_backward_mib": peak_mib(run(summed_gradients), batch, flags.calls),
+              "train_step_mib": peak_mib(run(train_step), batch, flags.calls)}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
