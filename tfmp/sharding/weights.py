@@ -307,7 +307,8 @@ def stream_to_chief(variables: list, layout: Layout, prefix) -> list:
     return prefixes
 
 
-# Per traced graph and device: (the replica's newest op when a weight was last read there, the recomputation then).
+# Per traced graph and device: (the name of the replica's newest op when a weight was last read there, the
+# recomputation then). Names, not ops: an op refers to its graph, which would keep every traced graph alive as a key.
 _PREVIOUS_READS: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -330,12 +331,12 @@ def _gather_waits(device: str, kept: bool) -> list:
     newest = next((op for op in reversed(graph.get_operations()) if op.device == device), None)
     recomputation = remat.current_recomputation()
     reads = _PREVIOUS_READS.setdefault(graph, {})
-    previous, reads[device] = reads.get(device), (newest, recomputation)
+    previous, reads[device] = reads.get(device), (None if newest is None else newest.name, recomputation)
     if recomputation is not None and (previous is None or previous[1] is not recomputation):
         return [newest] if newest is not None else []
     if kept and recomputation is None:
         return []
-    return [previous[0]] if previous is not None and previous[0] is not None else []
+    return [graph.get_operation_by_name(previous[0])] if previous is not None and previous[0] is not None else []
 
 
 def _placed(tensor, device) -> tf.Tensor:
