@@ -486,6 +486,7 @@ def _gathered_bytes_and_results(strategy, width=1024, layers=8):
     """Allocator peaks (MiB above the call's start, replica 0's device; median of 3 calls after a warm-up) of an
     inference pass and of one `--remat=blocks` training step under zero3, for a stack of `width`-wide Dense layers in
     checkpointed blocks of two, with the outputs and weights they leave."""
+    from tfmp.diagnostics import memory
     from tfmp.models import remat
 
     def block(x, name):
@@ -509,19 +510,11 @@ def _gathered_bytes_and_results(strategy, width=1024, layers=8):
             loss = tf.reduce_mean(tf.square(model(inputs, training=True)))
         model.optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
 
-    def peak(step):
-        peaks = []
-        for _ in range(4):
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-            outputs = step(batch)
-            peaks.append((tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / 2**20)
-        return float(np.median(peaks[1:])), outputs
-
-    forward, outputs = peak(tf.function(lambda inputs: strategy.run(lambda x: model(x, training=False), args=(inputs,))))
-    step, _ = peak(tf.function(lambda inputs: strategy.run(train_step, args=(inputs,))))
-    return {"forward": forward, "remat step": step}, strategy.experimental_local_results(outputs)[0].numpy(), \
-        [weight.numpy() for weight in model.weights]
+    forward = tf.function(lambda inputs: strategy.run(lambda x: model(x, training=False), args=(inputs,)))
+    peaks = {"forward": memory.call_peak_bytes(forward, batch, calls=3) / 2**20,
+             "remat step": memory.call_peak_bytes(tf.function(lambda inputs: strategy.run(train_step, args=(inputs,))),
+                                                  batch, calls=3) / 2**20}
+    return peaks, strategy.experimental_local_results(forward(batch))[0].numpy(), [weight.numpy() for weight in model.weights]
 
 
 def test_where_no_backward_pass_keeps_a_gathered_weight_it_is_gathered_just_before_its_layer(monkeypatch):

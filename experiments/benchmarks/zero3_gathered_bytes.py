@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 from tfmp import tf_environment
 
@@ -24,19 +23,13 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfmp import distribute, models, sharding  # noqa: E402
+from tfmp.diagnostics import memory  # noqa: E402
 from tfmp.sharding import weights  # noqa: E402
 
 
 def peak_mib(function, batch, calls: int) -> float:
     """Median allocator peak (MiB above the call's start, replica 0's device) of `function(batch)` after a warm-up."""
-    function(batch)
-    peaks = []
-    for _ in range(calls):
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        function(batch)
-        peaks.append((tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / 2**20)
-    return round(statistics.median(peaks), 1)
+    return round(memory.call_peak_bytes(function, batch, calls=calls) / 2**20, 1)
 
 
 def main() -> None:

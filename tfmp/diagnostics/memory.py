@@ -213,6 +213,23 @@ def reset_peak_memory(device: str = "CPU:0") -> bool:
     return True
 
 
+def call_peak_bytes(function, *args, calls: int = 1, device: str = "CPU:0") -> float:
+    """Peak bytes allocated on `device` while `function(*args)` runs, above what was allocated when it started: after
+    one call outside the measurement (tracing, warm-up), the median over `calls` measured calls."""
+    function(*args)
+    peaks = []
+    for _ in range(calls):
+        if not reset_peak_memory(device):
+            raise RuntimeError(
+                f"TensorFlow keeps no allocation statistics for {device} in this process: with oneDNN off (TF's default "
+                "on CPUs without AVX512_VNNI/AVX512_BF16/AMX) the CPU allocator does not count; "
+                "set TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow starts")
+        before = tf.config.experimental.get_memory_info(device)["current"]
+        function(*args)
+        peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
+    return float(np.median(peaks))
+
+
 def measure_step_peak(model: keras.Model, images: np.ndarray, labels: np.ndarray, device: str = "CPU:0",
                       keep_gradients: bool = True) -> int:
     """Peak bytes allocated on `device` during one forward + backward pass, above what was
@@ -231,12 +248,4 @@ def measure_step_peak(model: keras.Model, images: np.ndarray, labels: np.ndarray
             return gradients
         return tf.add_n([tf.reduce_sum(tf.cast(gradient, tf.float32)) for gradient in gradients])
 
-    step()  # trace and warm up outside the measurement
-    if not reset_peak_memory(device):
-        raise RuntimeError(
-            f"TensorFlow keeps no allocation statistics for {device} in this process: with oneDNN off (TF's default "
-            "on CPUs without AVX512_VNNI/AVX512_BF16/AMX) the CPU allocator does not count; "
-            "set TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow starts")
-    before = tf.config.experimental.get_memory_info(device)["current"]
-    step()
-    return tf.config.experimental.get_memory_info(device)["peak"] - before
+    return int(call_peak_bytes(step, device=device))
