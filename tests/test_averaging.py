@@ -95,7 +95,8 @@ def test_under_zero1_each_replica_averages_its_chunks_and_the_checkpoint_resumes
         model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
     assert sharded.optimizer.slot_names == ("momentum", "average")
     # Each replica holds half the average (its chunks), as it holds half the momentum.
-    halves = [int(np.prod(c.shape)) for c in strategy.experimental_local_results(sharded.optimizer.buffers["average"])]
+    halves = [sum(int(np.prod(component.shape)) for component in components) for components in zip(
+        *[strategy.experimental_local_results(chunk) for chunk in sharded.optimizer.slot_variables["average"]])]
     assert halves == [sharded.optimizer.layout.elements] * 2
     whole = sum(int(np.prod(v.shape)) for v in sharded.trainable_weights)
     assert whole / 2 <= sharded.optimizer.layout.elements < 0.6 * whole

@@ -483,9 +483,9 @@ def test_under_remat_the_recomputed_blocks_gather_again_and_train_as_unsharded(e
 
 
 def _gathered_bytes_and_results(strategy, width=1024, layers=8):
-    """Allocator peaks (MiB above the call's start, replica 0's device; median of 3 calls after a warm-up) of an
-    inference pass and of one `--remat=blocks` training step under zero3, for a stack of `width`-wide Dense layers in
-    checkpointed blocks of two, with the outputs and weights they leave."""
+    """Allocator peaks (MiB above the call's start, both replicas: logical CPU devices share one allocator; median of
+    3 calls after a warm-up) of an inference pass and of one `--remat=blocks` training step under zero3, for a stack
+    of `width`-wide Dense layers in checkpointed blocks of two, with the outputs and weights they leave."""
     from tfmp.diagnostics import memory
     from tfmp.models import remat
 

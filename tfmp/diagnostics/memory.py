@@ -215,7 +215,8 @@ def reset_peak_memory(device: str = "CPU:0") -> bool:
 
 def call_peak_bytes(function, *args, calls: int = 1, device: str = "CPU:0") -> float:
     """Peak bytes allocated on `device` while `function(*args)` runs, above what was allocated when it started: after
-    one call outside the measurement (tracing, warm-up), the median over `calls` measured calls."""
+    one call outside the measurement (tracing, warm-up), the median over `calls` measured calls. Logical CPU devices
+    (`tfmp.distribute.split_cpu`) share one allocator: on them it counts every replica of the process."""
     function(*args)
     peaks = []
     for _ in range(calls):

@@ -7,8 +7,8 @@ not depend on the layout that wrote it, and a run resumes on any number of repli
 checkpoint savers (the mechanism TensorFlow's own sharded variables and DTensor use: a save function writes tensor
 bundles with `SaveV2`, TensorFlow merges them into the checkpoint, a restore function reads with `RestoreV2`):
 
-* one machine (one device, or every replica in this process): each replica's chunks are written from its own
-  buffer as slices, one bundle per replica — nothing is gathered, no copy of the state is made on the host;
+* one machine (one device, or every replica in this process): each replica's chunks are written from its own slot
+  variables as slices, one bundle per replica — nothing is gathered, no copy of the state is made on the host;
 * several workers: each holds only its replicas' chunks, and only the chief's checkpoint is kept, so the chunks
   travel to the chief bucket by bucket (the layout's buckets: one all-gather each) and the chief writes each bucket
   as it arrives: no process holds the whole state at any time;
@@ -81,19 +81,18 @@ def _save_one_device(identifier: str, optimizer, prefix):
 
 
 def _save_each_replica(identifier: str, optimizer, prefix) -> list:
-    """One bundle per replica, written from the replica's own buffers: each variable's chunk as a slice of it."""
+    """One bundle per replica, written from the replica's own slot variables: each variable's chunk as a slice of it."""
     strategy, layout, prefixes = optimizer.held.strategy, optimizer.layout, []
     for replica in range(optimizer.replicas):
         names, slices, tensors = [], [], []
-        for name, buffer in optimizer.buffers.items():
-            component = strategy.experimental_local_results(buffer)[replica]
+        for name, chunks in optimizer.slot_variables.items():
             for index, size in enumerate(layout.sizes):
                 start, stop = layout.held_range(index, replica)
                 if stop > start:
-                    offset = layout.offsets[index]
+                    component = strategy.experimental_local_results(chunks[index])[replica]
                     names.append(_key(identifier, name, index))
                     slices.append(f"{size} {start},{stop - start}")
-                    tensors.append(component[offset:offset + stop - start])
+                    tensors.append(component[:stop - start])
         if names:
             replica_prefix = tf.strings.join([prefix, f"_replica{replica}"])
             with tf.device(component.device):
@@ -118,7 +117,7 @@ def _save_through_the_chief(identifier: str, optimizer, prefix) -> list:
         gathered = strategy.experimental_local_results(function())[0]  # per slot: [replicas, bucket chunk]
         if chief:
             names, tensors = [], []
-            for name, chunks in zip(optimizer.buffers, gathered):
+            for name, chunks in zip(optimizer.slot_variables, gathered):
                 start = 0
                 for index in bucket:
                     chunk = layout.chunks[index]
@@ -134,9 +133,9 @@ def _save_through_the_chief(identifier: str, optimizer, prefix) -> list:
 
 
 def _gather_bucket(optimizer, bucket) -> list:
-    context, layout = tf.distribute.get_replica_context(), optimizer.layout
-    start, stop = layout.offsets[bucket[0]], layout.offsets[bucket[-1]] + layout.chunks[bucket[-1]]
-    return [context.all_gather(tf.convert_to_tensor(buffer)[start:stop][None], axis=0) for buffer in optimizer.buffers.values()]
+    context = tf.distribute.get_replica_context()
+    return [context.all_gather(tf.concat([tf.convert_to_tensor(chunks[index]) for index in bucket], axis=0)[None], axis=0)
+            for chunks in optimizer.slot_variables.values()]
 
 
 def _restore(trackables: dict, merged_prefix) -> None:
@@ -183,14 +182,17 @@ def write_state(optimizer, read) -> None:
                 keras_internals.optimizer_slot(optimizer.inner, name, variable).assign(np.reshape(value, variable.shape))
         return
     strategy = optimizer.held.strategy
-    for name, buffer in optimizer.buffers.items():
-        for replica, component in zip(local_replica_ids(strategy), strategy.experimental_local_results(buffer)):
+    for name, chunks in optimizer.slot_variables.items():
+        for position, replica in enumerate(local_replica_ids(strategy)):
             ranges = [(index, *layout.held_range(index, replica)) for index in range(len(variables))]
             ranges = [(index, start, stop) for index, start, stop in ranges if stop > start]
-            content = np.zeros([layout.elements], np.float32)
-            for (index, _, _), value in zip(ranges, read(name, ranges) if ranges else []):
-                content[layout.offsets[index]:layout.offsets[index] + len(value)] = value
-            component.assign(content)
+            values = dict(zip([index for index, _, _ in ranges], read(name, ranges) if ranges else []))
+            for index, chunk in enumerate(chunks):
+                content = np.zeros([layout.chunks[index]], np.float32)  # the padding past the variable's end: zeros
+                value = values.get(index)
+                if value is not None:
+                    content[:len(value)] = value
+                strategy.experimental_local_results(chunk)[position].assign(content)
 
 
 def read_pending(optimizer) -> None:

@@ -1,15 +1,15 @@
 """Which replica holds what: every variable cut into equal chunks, one per replica (FSDP's flat sharding).
 
 Replica r holds elements `[r * chunk, (r + 1) * chunk)` of each variable, flattened (the last chunk padded with
-zeros when the size is not a multiple of the replica count), and keeps its chunks of all variables end to end in
-one flat buffer per slot. Equal chunks make every collective balanced: a bucket's gradients are reduced to their
-holders with one reduce-scatter of N equal parts, and its updated weights come back with one all-gather — the same
-shape that gathers a unit's weights for ZeRO-3. Per-layer rules (LARS' trust ratio) need whole-variable norms: the
-step sums each chunk's squares across replicas (one small all-reduce per bucket).
+zeros when the size is not a multiple of the replica count). Equal chunks make every collective balanced: a
+bucket's gradients are reduced to their holders with one reduce-scatter of N equal parts, and its updated weights
+come back with one all-gather — the same shape that gathers a unit's weights for ZeRO-3. Per-layer rules (LARS'
+trust ratio) need whole-variable norms: the step sums each chunk's squares across replicas (one small all-reduce per
+bucket).
 
 Variables are taken in buckets of at most `BUCKET_BYTES` of float32 gradients (a larger variable alone), so no
-collective and no packed copy holds more than one bucket: the step's transient memory is bounded by a bucket,
-not by the model.
+collective and no packed copy holds more than one bucket, and the step takes one bucket after another (the sharded
+optimizer orders each after the one before): its transient memory is bounded by a bucket, not by the model.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class Layout:
 
     @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
-        """Where each variable's chunk starts in a replica's flat buffer."""
+        """Where each variable's chunk starts when a replica's chunks are laid end to end (a bucket packed for one
+        collective, the whole state gathered)."""
         offsets, total = [], 0
         for chunk in self.chunks:
             offsets.append(total)
@@ -44,8 +45,8 @@ class Layout:
 
     @property
     def elements(self) -> int:
-        """Length of each replica's flat buffer (at least 1: TensorFlow variables are not empty)."""
-        return max(1, sum(self.chunks))
+        """Elements a replica holds of every variable: its chunks end to end."""
+        return sum(self.chunks)
 
     @functools.cached_property
     def buckets(self) -> tuple[tuple[int, ...], ...]:

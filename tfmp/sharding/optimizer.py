@@ -1,9 +1,9 @@
 """ZeRO stages 1, 2 and 3: the optimizer step with each replica holding the optimizer state of its chunk of every variable.
 
 `ShardedOptimizer(inner, stage="zero1")` (also spelled `ZeroOneOptimizer(inner)`) wraps AdamW/Adam, SGD (with or
-without momentum) or tfmp's LARS. Under a strategy with N
-replicas, each replica keeps the optimizer state (Adam's two moments, the momentum) of its 1/N chunk of every
-variable (`tfmp.sharding.layout`) in one flat per-replica (`ON_READ`) buffer per slot. A step goes bucket by bucket
+without momentum) or tfmp's LARS. Under a strategy with N replicas, each replica keeps the optimizer state (Adam's
+two moments, the momentum) of its 1/N chunk of every variable (`tfmp.sharding.layout`), in one per-replica (`ON_READ`)
+variable per slot and variable (`slot_variables`). A step goes bucket by bucket
 (at most `layout.BUCKET_BYTES` of gradients each, the last layers first, as the backward pass produces them):
 
 1. the bucket's gradients, each cut into N equal chunks, are reduced so that each replica receives the sum of its
@@ -108,7 +108,7 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         inner.global_clipnorm = inner.clipnorm = None
         update_rules.check_supported(inner, f"sharding={stage}")
         self.slot_names = update_rules.slot_names(inner)
-        # The per-replica buffers and the inner optimizer (whose slots exist on one replica only) are kept out of
+        # The per-replica slot variables and the inner optimizer (whose slots exist on one replica only) are kept out of
         # TensorFlow's checkpoint tracking: the state goes through `state_shards`, whole per variable, so a
         # checkpoint holds the same objects whatever the number of replicas that wrote or reads it.
         self.held = _Untracked()
@@ -145,8 +145,10 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         return self.held.layout
 
     @property
-    def buffers(self) -> dict:
-        return self.held.buffers
+    def slot_variables(self) -> dict[str, list]:
+        """Per slot name, one per-replica variable per trainable variable (in their order): each replica's chunk of
+        that slot (on several replicas; empty on one, where the inner optimizer holds its own slots)."""
+        return self.held.slot_variables
 
     def build(self, variables):
         if self.built:
@@ -170,11 +172,16 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
                 self.held.decays = [keras_internals.uses_weight_decay(self.inner, variable) for variable in variables]
                 weights_module.shard_weights(self.variables_in_order, self.layout, strategy, self.held.reduction,
                                              checkpoint_state.local_replica_ids(strategy))
-            # Per-replica buffers: each replica's copy holds its own chunks' state (not a copy of the others').
+            # One per-replica variable per slot and weight, as Keras keeps slots: each replica's copy holds its own
+            # chunk's state (not a copy of the others'), and the step assigns each one whole. A single flat buffer per
+            # slot cost the step two more copies of the state: written by concatenating every chunk, or slice by slice
+            # in place, which TensorFlow 2.21 performs on a copy of the buffer (BUILD_NOTES).
             with strategy.scope():
-                self.held.buffers = {name: tf.Variable(tf.zeros([self.layout.elements]), trainable=False, name=f"zero1_{name}",
-                                                       synchronization=tf.VariableSynchronization.ON_READ,
-                                                       aggregation=tf.VariableAggregation.NONE) for name in self.slot_names}
+                self.held.slot_variables = {
+                    name: [tf.Variable(tf.zeros([chunk]), trainable=False, name=f"sharded_{name}_{index}",
+                                       synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.NONE)
+                           for index, chunk in enumerate(self.layout.chunks)]
+                    for name in self.slot_names}
         self.built = True
         pending, self.held.pending = self.held.pending, None
         if pending:
@@ -187,9 +194,10 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
             return [sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in self.inner.variables if len(v.shape))]
         strategy = self.held.strategy
         per_replica = [0] * self.replicas
-        for buffer in self.buffers.values():
-            for replica, component in enumerate(strategy.experimental_local_results(buffer)):
-                per_replica[replica] += int(np.prod(component.shape)) * component.dtype.size
+        for variables in self.slot_variables.values():
+            for variable in variables:
+                for replica, component in enumerate(strategy.experimental_local_results(variable)):
+                    per_replica[replica] += int(np.prod(component.shape)) * component.dtype.size
         return per_replica
 
     # ------------------------------------------------------------------------------ the step
@@ -215,7 +223,6 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         learning_rate = tf.cast(self.inner.learning_rate, tf.float32)
         step = tf.cast(self.inner.iterations + 1, tf.float32)
         order = self.held.reduction.rank_order(context)
-        states = {name: {} for name in self.slot_names}
         buckets = list(reversed(self.layout.buckets))  # the last layers' gradients are ready first
         if self.held.receiving_owned or self.stage == "zero3":  # reduced already (zero2's accumulation, zero3's
             # gathers): each gradient is this replica's chunk
@@ -226,11 +233,11 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
             chunks = None  # each bucket reduced just before its update, so one bucket of reduced gradients is alive
         if self.global_clipnorm:
             chunks = self._clipped(context, chunks)
-        for position, bucket in enumerate(buckets):
-            own = chunks[position] if chunks is not None else self._reduce_bucket(context, bucket, grads, order)
-            self._update_bucket(context, bucket, own, grads, learning_rate, step, states)
-        for name, buffer in self.buffers.items():
-            buffer.assign(tf.concat([states[name][index] for index in range(len(grads))] + self._padding(), axis=0))
+        updated = []  # each bucket starts when the one before is updated: its packed, reduced and gathered copies
+        for position, bucket in enumerate(buckets):  # are not made ahead while the others wait their turn
+            with tf.control_dependencies(updated):
+                own = chunks[position] if chunks is not None else self._reduce_bucket(context, bucket, grads, order)
+                updated = self._update_bucket(context, bucket, own, grads, learning_rate, step)
         self.inner.iterations.assign_add(1)
         self.iterations.assign_add(1)
 
@@ -293,10 +300,6 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         flat = tf.reshape(tf.cast(tf.convert_to_tensor(tensor), tf.float32), [-1])
         return tf.reshape(tf.pad(flat, [[0, self.replicas * chunk - self.layout.sizes[index]]]), [self.replicas, chunk])
 
-    def _padding(self) -> list:
-        used = sum(self.layout.chunks)
-        return [tf.zeros([self.layout.elements - used])] if used < self.layout.elements else []
-
     def _reduce_bucket(self, context, bucket, grads, order) -> list:
         """This replica's chunk of each of the bucket's gradients, summed over the replicas."""
         packed = tf.concat([self._chunked(grads[index], index) for index in bucket], axis=1)  # [replicas, bucket chunk]
@@ -319,34 +322,36 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         factors = self.clipnorm / tf.maximum(tf.sqrt(squares), self.clipnorm)
         return [chunk * factors[position] for position, chunk in enumerate(chunks)]
 
-    def _update_bucket(self, context, bucket, gradients, grads, learning_rate, step, states):
+    def _update_bucket(self, context, bucket, gradients, grads, learning_rate, step):
         layout, variables = self.layout, self.variables_in_order
         replica = context.replica_id_in_sync_group
-        weights = [self._own_weight(variables[index], index, replica) for index in bucket]
+        # zero1/zero2 cut a chunk from each whole weight (a copy): made once the bucket's gradients are reduced, not
+        # all at the step's start. zero3's chunk is its storage, read for free (made to wait, it cost memory).
+        with tf.control_dependencies(gradients if self.stage != "zero3" else []):
+            weights = [self._own_weight(variables[index], index, replica) for index in bucket]
         if self.clipnorm:
             gradients = self._clipped_per_variable(context, gradients)
         norms = self._lars_norms(context, bucket, weights, gradients)
         new_weights = []
         for position, index in enumerate(bucket):
-            variable, offset, chunk = variables[index], layout.offsets[index], layout.chunks[index]
-            slots = {name: buffer[offset:offset + chunk] for name, buffer in self.buffers.items()}
-            weight = weights[position]
+            variable = variables[index]
+            slots = {name: tf.convert_to_tensor(chunks[index]) for name, chunks in self.slot_variables.items()}
+            weight, new_slots = weights[position], {}
             if grads[index] is not None:  # a variable without a gradient is left as it is (no decay), as Keras does
-                weight, rule_slots = update_rules.update(self.inner, variable, weight, gradients[position], slots,
-                                                         learning_rate, step, norms=None if norms is None else norms[position],
-                                                         decays=None if self.held.decays is None else self.held.decays[index],
-                                                         learning_rate_factor=self.held.learning_rate_factors.get(variable.path, 1.0))
-                slots.update(rule_slots)
+                weight, new_slots = update_rules.update(self.inner, variable, weight, gradients[position], slots,
+                                                        learning_rate, step, norms=None if norms is None else norms[position],
+                                                        decays=None if self.held.decays is None else self.held.decays[index],
+                                                        learning_rate_factor=self.held.learning_rate_factors.get(variable.path, 1.0))
             if "average" in slots:  # every variable's, as Keras averages every trainable variable
-                slots["average"] = update_rules.moving_average(slots["average"], weight, momentum=self.inner.ema_momentum,
-                                                               step=step)
+                new_slots["average"] = update_rules.moving_average(slots["average"], weight, momentum=self.inner.ema_momentum,
+                                                                   step=step)
             new_weights.append(weight)
-            for name in self.slot_names:
-                states[name][index] = slots[name]
+            for name, value in new_slots.items():  # assigned whole, as soon as computed: the old state is released
+                self.slot_variables[name][index].assign(value)
         if self.stage == "zero3":  # each replica keeps its updated chunks (every weight is one: `build`); the next
             for index, weight in zip(bucket, new_weights):  # forward pass gathers them
                 variables[index].sharded.assign_chunk(weight)
-            return
+            return new_weights
         starts = np.cumsum([0] + [layout.chunks[index] for index in bucket])
         gathered = context.all_gather(tf.concat(new_weights, axis=0)[None], axis=0)  # [replicas, bucket chunk]
         values = []
@@ -354,6 +359,7 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
             whole = tf.reshape(gathered[:, start:start + layout.chunks[index]], [-1])[:layout.sizes[index]]
             values.append(tf.cast(tf.reshape(whole, variables[index].shape), variables[index].dtype))
         context.merge_call(_write_all, args=([variables[index] for index in bucket], values))
+        return new_weights
 
     def _own_weight(self, variable, index: int, replica):
         """This replica's chunk of a variable's weight, float32: its own storage under zero3, else cut from the whole."""
@@ -390,12 +396,13 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
 
             def gather():
                 context = tf.distribute.get_replica_context()
-                return [context.all_gather(tf.convert_to_tensor(self.buffers[name])[None], axis=0) for name in names]
+                return [context.all_gather(tf.concat([tf.convert_to_tensor(chunk) for chunk in self.slot_variables[name]],
+                                                     axis=0)[None], axis=0) for name in names]
 
             self.held.gathers[names] = tf.function(lambda: strategy.run(gather))
         arrays = {}
         for name, per_replica in zip(names, self.held.gathers[names]()):
-            chunks = strategy.experimental_local_results(per_replica)[0].numpy()  # [replicas, elements]
+            chunks = strategy.experimental_local_results(per_replica)[0].numpy()  # [replicas, every chunk end to end]
             for index, variable in enumerate(variables):
                 offset, chunk = self.layout.offsets[index], self.layout.chunks[index]
                 whole = chunks[:, offset:offset + chunk].reshape(-1)[:self.layout.sizes[index]]
@@ -449,7 +456,7 @@ class _Untracked:
     """A plain holder: TensorFlow's checkpoint tracking does not look inside it."""
 
     def __init__(self):
-        self.buffers: dict = {}
+        self.slot_variables: dict = {}
         self.strategy = None
         self.reduction = None
         self.inner = None

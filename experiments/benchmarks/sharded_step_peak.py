@@ -1,13 +1,15 @@
-"""How many bytes zero3's gathered weights hold at a call's peak, with and without the gathers waiting for the layer
-before (`tfmp.sharding.weights._gather_waits`), on 2 logical CPU replicas.
+"""The allocator's peak of a sharded (or unsharded) model's calls on 2 logical CPU replicas: an inference pass, a
+forward and backward pass, a whole AdamW training step.
 
-    python experiments/benchmarks/zero3_gathered_bytes.py --model=vit_base_p16 --image_size=32 --batch=32 --remat=blocks
+    python experiments/benchmarks/sharded_step_peak.py --model=vit_base_p16 --image_size=32 --batch=32 --remat=blocks \
+        --sharding=zero3
 
-Builds `--model`'s classifier under MirroredStrategy with `ShardedOptimizer(AdamW, stage="zero3")`, then measures the
-TensorFlow allocator's peak above the start of each call on replica 0's device (medians of `--calls` calls after a
-warm-up): an inference pass, a forward and backward pass (the gradients, no update), and a whole training step. With
-`--no_waits` every gather is issued when the call starts, as before the waits existed. Needs TensorFlow's allocator
-statistics on the CPU (oneDNN on: `tfmp.tf_environment` turns it on). Prints one JSON line.
+Builds `--model`'s classifier under MirroredStrategy with Keras' AdamW (`--sharding=none`) or
+`ShardedOptimizer(AdamW, stage=...)`, then measures the TensorFlow allocator's peak above the start of each call
+(medians of `--calls` calls after a warm-up). Logical CPU devices share one allocator: the figures are both replicas'
+together. With `--no_waits` (zero3) every gather is issued when the call starts, as before the gathers waited for the
+layer before (`tfmp.sharding.weights._gather_waits`). Needs TensorFlow's allocator statistics on the CPU (oneDNN on:
+`tfmp.tf_environment` turns it on). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tfmp.sharding import weights  # noqa: E402
 
 
 def peak_mib(function, batch, calls: int) -> float:
-    """Median allocator peak (MiB above the call's start, replica 0's device) of `function(batch)` after a warm-up."""
+    """Median allocator peak (MiB above the call's start) of `function(batch)` after a warm-up."""
     return round(memory.call_peak_bytes(function, batch, calls=calls) / 2**20, 1)
 
 
@@ -39,7 +41,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="images per replica")
     parser.add_argument("--remat", default="blocks", choices=["none", "blocks"])
     parser.add_argument("--calls", type=int, default=3)
-    parser.add_argument("--no_waits", action="store_true", help="issue every gather at the call's start (as before)")
+    parser.add_argument("--sharding", default="zero3", choices=["none", "zero1", "zero2", "zero3"])
+    parser.add_argument("--no_waits", action="store_true", help="zero3: issue every gather at the call's start (as before)")
     flags = parser.parse_args()
     if flags.no_waits:
         weights._gather_waits = lambda device, kept: []
@@ -49,7 +52,8 @@ def main() -> None:
     shape = (flags.image_size, flags.image_size, 3)
     with strategy.scope():
         model = models.build_classifier(models.build_encoder(flags.model, shape, remat=flags.remat), 10)
-        model.optimizer = sharding.ShardedOptimizer(keras.optimizers.AdamW(1e-4), stage="zero3")
+        adamw = keras.optimizers.AdamW(1e-4)
+        model.optimizer = adamw if flags.sharding == "none" else sharding.ShardedOptimizer(adamw, stage=flags.sharding)
         model.optimizer.build(model.trainable_variables)
     batch = strategy.experimental_distribute_values_from_function(
         lambda context: tf.random.stateless_normal((flags.batch, *shape), seed=[context.replica_id_in_sync_group, 0]))
@@ -67,7 +71,7 @@ def main() -> None:
 
     run = lambda step: tf.function(lambda images: strategy.run(step, args=(images,)))
     result = {"model": flags.model, "image_size": flags.image_size, "batch_per_replica": flags.batch,
-              "remat": flags.remat, "waits": not flags.no_waits,
+              "remat": flags.remat, "sharding": flags.sharding, "waits": not flags.no_waits,
               "inference_mib": peak_mib(run(lambda images: tf.reduce_sum(model(images, training=False))), batch, flags.calls),
               "forward_backward_mib": peak_mib(run(summed_gradients), batch, flags.calls),
               "train_step_mib": peak_mib(run(train_step), batch, flags.calls)}
