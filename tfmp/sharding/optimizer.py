@@ -322,7 +322,9 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         factors = self.clipnorm / tf.maximum(tf.sqrt(squares), self.clipnorm)
         return [chunk * factors[position] for position, chunk in enumerate(chunks)]
 
-    def _update_bucket(self, context, bucket, gradients, grads, learning_rate, step):
+    def _update_bucket(self, context, bucket, gradients, grads, learning_rate, step) -> list:
+        """Updates the bucket's chunks of the weights and their slots from this replica's chunks of the summed
+        `gradients`, and writes the weights; returns the new weight chunks (the next bucket waits for them)."""
         layout, variables = self.layout, self.variables_in_order
         replica = context.replica_id_in_sync_group
         # zero1/zero2 cut a chunk from each whole weight (a copy): made once the bucket's gradients are reduced, not
