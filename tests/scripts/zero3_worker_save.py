@@ -10,7 +10,7 @@ and the follower (what tfmp's checkpoints hold: the optimizer's registered saver
 followers to the chief bucket by bucket) to DIR/with_optimizer, and the model alone (no stream: TensorFlow's own save
 gathers each weight whole) to DIR/model_only. Only the chief's checkpoints are kept; the other worker writes under
 DIR/worker1. While each save runs, the bytes of whole weights alive at once in the process are counted (each whole
-weight `Chunks.whole` returns, until it is freed). Prints "peak whole bytes: with optimizer A, model only B of C"
+weight `weights.whole_weights` returns, until it is freed). Prints "peak whole bytes: with optimizer A, model only B of C"
 (`tfmp.launch` prefixes each worker's lines), and the chief writes the weights it trained (gathered; the model's, then
 the follower's) to DIR/weights.npz for tests/test_zero3.py to compare with what a model on one device restores from
 either checkpoint. Then both workers restore the chief's checkpoint into their zeroed model and follower, reading only
@@ -63,21 +63,22 @@ def followed(model) -> list:
 
 
 class LiveWholeBytes:
-    """Bytes of the whole weights `Chunks.whole` returned that are still alive, and their peak since `reset`."""
+    """Bytes of the whole weights `weights.whole_weights` returned that are still alive, and their peak since `reset`."""
 
     def __init__(self):
         self.now = self.peak = 0
-        original = weights.Chunks.whole
+        original = weights.whole_weights
 
-        def counted(chunks):
-            tensor = original(chunks)
-            size = tensor.shape.num_elements() * 4
-            self.now += size
+        def counted(members):
+            tensors = original(members)
+            for tensor in tensors:
+                size = tensor.shape.num_elements() * 4
+                self.now += size
+                weakref.finalize(tensor, self._freed, size)
             self.peak = max(self.peak, self.now)
-            weakref.finalize(tensor, self._freed, size)
-            return tensor
+            return tensors
 
-        weights.Chunks.whole = counted
+        weights.whole_weights = counted
 
     def _freed(self, size):
         self.now -= size
