@@ -72,6 +72,100 @@ def test_zero3_in_a_strategy_run_loop_ends_where_the_unsharded_run_does(kind):
     assert all(not np.allclose(a.numpy(), b.numpy()) for a, b in zip(sharded.weights, start.weights))  # all trained
 
 
+def _gradients_per_stage(build, monkeypatch) -> tuple[dict, dict, dict]:
+    """`build(images)` (in the strategy's scope) on 2 replicas, unsharded and under zero3 (SGD built over its weights):
+    per stage its gradients of the mean cross-entropy on 32 images (a flat array per weight, empty for None;
+    unsharded the sum of the replicas' gradients, under zero3 each replica's chunk of that sum, end to end), the model,
+    and each `weights.UnitGather` its step made, as (number of weights, dtype)."""
+    made = []
+    original = weights.UnitGather.__init__
+    monkeypatch.setattr(weights.UnitGather, "__init__", lambda gather, members, dtype: made.append(
+        (len(members), tf.as_dtype(dtype).name)) or original(gather, members, dtype))
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    gradients, built, gathers = {}, {}, {}
+    for stage in ("none", "zero3"):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = build(images)
+            _sharded(keras.optimizers.SGD(0.1), stage).build(model.trainable_weights)
+
+        def step(x, y, model=model):
+            with tf.GradientTape() as tape:
+                logits = tf.cast(model(x), tf.float32)
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+            return [tf.zeros([0]) if gradient is None else tf.reshape(gradient, [-1])
+                    for gradient in tape.gradient(loss, model.trainable_weights)]
+
+        made.clear()
+        per_replica = tf.function(lambda x, y: strategy.run(step, args=(x, y)))(images[:32], labels[:32])
+        local = [strategy.experimental_local_results(gradient) for gradient in per_replica]
+        gradients[stage] = [np.concatenate([g.numpy() for g in values]) if stage == "zero3" else
+                            sum(g.numpy() for g in values) for values in local]
+        built[stage], gathers[stage] = model, list(made)
+    for index, (plain, sharded) in enumerate(zip(gradients["none"], gradients["zero3"])):
+        np.testing.assert_allclose(sharded[:plain.size], plain, rtol=1e-5, atol=1e-6, err_msg=str(index))
+    return gradients, built, gathers
+
+
+@pytest.mark.parametrize("gathering", ["units", "weights"])
+def test_a_units_weights_are_gathered_together_and_a_weight_it_does_not_read_gets_no_gradient(gathering, monkeypatch):
+    """The small subclassed model is one unit (`weights.UnitGather`: under a bucket): each replica gathers its weights
+    in one collective per call, where gathered a weight at a time (`gathering="weights"`) it took one each; either way
+    the gradients are the unsharded ones, and a weight the call never reads gets None, as unsharded — not the zeros
+    TensorFlow hands a gathered copy nobody used (AdamW would decay the weight)."""
+
+    class Spare(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head, self.spare = (keras.layers.Dense(15, activation="relu"), keras.layers.Dense(10),
+                                                keras.layers.Dense(10))
+
+        def call(self, inputs):
+            return self.head(self.body(keras.ops.reshape(inputs, (-1, 64))))
+
+    def build(images):
+        model = Spare()
+        model(images[:2])  # built by a call, as users build a subclassed model
+        model.spare.build((None, 15))
+        return model
+
+    if gathering == "weights":
+        monkeypatch.setattr(weights, "_unit_call", lambda chunks: None)
+    gradients, built, gathers = _gradients_per_stage(build, monkeypatch)
+    # Units: the model's 6 weights (the spare's too) in one gather per replica; else the 4 read, one each.
+    assert gathers == {"none": [], "zero3": [(6, "float32")] * 2 if gathering == "units" else [(1, "float32")] * 8}
+    for stage, model in built.items():
+        spare = [index for index, weight in enumerate(model.trainable_weights)
+                 if any(weight is own for own in model.spare.trainable_weights)]
+        assert len(spare) == 2 and all(gradients[stage][index].size == 0 for index in spare), (stage, spare)
+
+
+def test_a_weight_read_against_its_layers_policy_is_gathered_alone_in_the_dtype_read(monkeypatch):
+    """Tied weights under mixed_bfloat16: a float32 layer reads the bf16 layer's kernel (transposed). The unit gathers
+    its bf16 weights together in bf16; the kernel, read in float32 by the other layer, is gathered alone in float32
+    for that read — and the step's gradients are the unsharded ones."""
+
+    class Tied(keras.layers.Layer):
+        def __init__(self, source, **kwargs):
+            super().__init__(dtype="float32", **kwargs)
+            self.source = source
+
+        def call(self, inputs):
+            return keras.ops.matmul(inputs, keras.ops.transpose(self.source.kernel))
+
+    def build(images):
+        inputs = keras.Input(images.shape[1:])
+        body = keras.layers.Dense(15, activation="relu", name="body")
+        outputs = keras.layers.Dense(10, name="head")(Tied(body)(body(keras.layers.Flatten()(inputs))))
+        return keras.Model(inputs, outputs)
+
+    precision.set_policy("mixed_bfloat16")
+    _, _, gathers = _gradients_per_stage(build, monkeypatch)
+    # Per replica: the model's 4 bf16 weights in one gather, the kernel alone in float32.
+    assert sorted(gathers["zero3"]) == [(1, "float32")] * 2 + [(4, "bfloat16")] * 2, gathers
+
+
 def test_each_replica_holds_half_of_every_weight_and_of_the_optimizer_state():
     strategy = distribute.get_strategy("mirrored")
     plain, sharded = _model(strategy, "adamw", "none"), _model(strategy, "adamw", "zero3")
@@ -126,8 +220,9 @@ def test_zero3_under_bf16_gathers_bf16_and_computes_what_zero1_does_bit_for_bit(
     images, labels = _data()
     plain, zero1, sharded = (_model(strategy, "adamw", stage) for stage in ("none", "zero1", "zero3"))
     gathered = _gathered_dtypes(sharded, strategy, images)
-    # Each weight on each replica leaves as bf16 bits in 16-bit halves and comes back: half the bytes of float32 move.
-    assert gathered.count("bfloat16") == gathered.count("float16") == 2 * len(sharded.trainable_weights), gathered
+    # The small model is one unit (`weights.UnitGather`): its weights leave each replica in one gather, as bf16 bits
+    # in 16-bit halves, and come back — half the bytes of float32 move.
+    assert gathered.count("bfloat16") == gathered.count("float16") == 2, gathered
     for model in (plain, zero1, sharded):
         LAYOUTS["train"](model, strategy, images, labels, 1)
     _assert_close(plain, sharded, tolerance=1e-5)
@@ -517,18 +612,21 @@ def _gathered_bytes_and_results(strategy, width=1024, layers=8):
     return peaks, strategy.experimental_local_results(forward(batch))[0].numpy(), [weight.numpy() for weight in model.weights]
 
 
-def test_where_no_backward_pass_keeps_a_gathered_weight_it_is_gathered_just_before_its_layer(monkeypatch):
+def test_where_no_backward_pass_keeps_a_gathered_weight_it_is_gathered_just_before_its_unit(monkeypatch):
     """An inference pass, and `--remat`'s blocks (their first pass is unrecorded; a recomputed block gathers after the
-    backward pass reached it): each zero3 gather waits for the layer before, so a replica holds about one gathered
-    kernel at a time instead of every one from the step's start — and computes the same. Measured against the same
-    code with the waits removed (as before they existed): 8 kernels of 4 MiB, an inference pass 4 against 32 MiB, a
-    remat step 24-28 against 62-66 MiB."""
+    backward pass reached it): each zero3 gather waits for the unit before — here a checkpointed block of two 4 MiB
+    kernels, gathered in one collective (`weights.UnitGather`) — so a replica holds about two units' copies at a time
+    (the one computing, the next one gathered) instead of every one from the step's start, and computes the same.
+    Measured against the same code with the waits removed, 8 units, both replicas: an inference pass 40 against
+    106 MiB, a remat step 42 against 200 MiB (gathered a weight at a time, before units: 4 MiB of 4 kernels)."""
     strategy = distribute.get_strategy("mirrored")
-    kernel_mib = 1024 * 1024 * 4 / 2**20
-    ordered, outputs, trained = _gathered_bytes_and_results(strategy)
+    unit_mib = 2 * 1024 * 1024 * 4 / 2**20
+    ordered, outputs, trained = _gathered_bytes_and_results(strategy, layers=16)
     monkeypatch.setattr(weights, "_gather_waits", lambda device, kept: [])
-    unordered, same_outputs, same_trained = _gathered_bytes_and_results(strategy)
-    assert ordered["forward"] <= 2 * kernel_mib and unordered["forward"] >= 6 * kernel_mib, (ordered, unordered)
+    unordered, same_outputs, same_trained = _gathered_bytes_and_results(strategy, layers=16)
+    replicas = 2  # logical CPU devices share one allocator: the peaks are both replicas'
+    assert ordered["forward"] <= replicas * 3 * unit_mib and unordered["forward"] >= replicas * 5 * unit_mib, (
+        ordered, unordered)
     assert ordered["remat step"] <= unordered["remat step"] / 2, (ordered, unordered)
     np.testing.assert_allclose(outputs, same_outputs, rtol=1e-6)
     for a, b in zip(trained, same_trained):

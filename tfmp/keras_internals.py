@@ -91,6 +91,7 @@ def _hooks() -> list[tuple[str, object, str]]:
     import tensorflow as tf
 
     from keras.src import tree as keras_tree
+    from keras.src.backend.common import global_state
     from tensorflow.python.eager import record
     from tensorflow.python.saved_model import registration as saved_model_registration
 
@@ -124,7 +125,9 @@ def _hooks() -> list[tuple[str, object, str]]:
              ("MirroredStrategy", tf.distribute.MirroredStrategy, "_collective_key_base"),
              ("tf.__internal__.tracking", tf.__internal__.tracking, "Trackable"),
              ("tensorflow.python.saved_model.registration", saved_model_registration, "register_checkpoint_saver"),
-             ("tensorflow.python.eager.record", record, "should_record_backprop"),
+             ("tensorflow.python.eager.record", record, "could_possibly_record"),
+             ("keras.src.backend.common.global_state", global_state, "get_global_attribute"),
+             ("Keras variable", variables[0], "_autocast"),
              *(("Keras variable (TensorFlow)", variables[0], name) for name in SHARDED_VARIABLE_HOOKS),
              ("tf.Variable", variables[0].value, "_unique_id"), ("Optimizer (TensorFlow)", keras.optimizers.Optimizer, "_var_key")]
     if isinstance(getattr(tf.distribute.MirroredStrategy, "_collective_key_base", None), int):
@@ -283,13 +286,12 @@ def register_checkpoint_saver(*, package: str, name: str, predicate, save_fn, re
                                            restore_fn=restore_fn)
 
 
-def tape_records(tensor) -> bool:
-    """Whether a `tf.GradientTape` being recorded watches `tensor` — so that ops using it are kept for a backward pass
-    (`tensorflow.python.eager.record.should_record_backprop`; TensorFlow exports no public test). False outside every
-    tape, inside `tape.stop_recording()` (the first forward pass of `tf.recompute_grad`) and for unwatched tensors."""
+def tape_recording() -> bool:
+    """Whether a `tf.GradientTape` records on this thread now (not stopped: `tf.recompute_grad`'s first pass and
+    `tape.stop_recording()` are not), asked without making an op (`record.could_possibly_record`)."""
     from tensorflow.python.eager import record
 
-    return bool(record.should_record_backprop([tensor]))
+    return bool(record.could_possibly_record())
 
 
 # ------------------------------------------------------------------ ZeRO-3's sharded weights (tfmp.sharding.weights)
@@ -387,6 +389,29 @@ def shard_variable(variable, storage, sharded) -> None:
     variable._value = storage
     variable.sharded = sharded
     variable.__class__ = _SHARDED_CLASSES[keras_class]
+
+
+def layer_calls() -> list:
+    """The Keras layer calls in progress in this thread, outermost first, as `(scope, layer)`: `Layer.__call__` opens
+    a name scope naming the layer its caller (Keras' `name_scope_stack`, thread-local as each replica's thread is), a
+    new scope object for each call — so a scope names one call of its layer (zero3's unit gathers are kept per call)."""
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    return [(scope, scope.caller) for scope in stack if isinstance(scope.caller, keras.layers.Layer)]
+
+
+def weights_by_owner(layer) -> list:
+    """`(owner, variable)` for each trainable variable under `layer`, with the (sub)layer that created it — whose
+    dtype policy and `autocast` decide the dtype the variable is read in (Keras' `_flatten_layers` and per-layer
+    `_trainable_variables`; the variable's own `_autocast`)."""
+    return [(owner, variable) for owner in layer._flatten_layers(include_self=True, recursive=True)
+            for variable in owner._trainable_variables]
+
+
+def variable_autocasts(variable) -> bool:
+    """Whether a layer's autocast scope casts `variable` when it is read (Keras' `Variable(autocast=...)`)."""
+    return bool(variable._autocast)
 
 
 def variable_storage(variable):

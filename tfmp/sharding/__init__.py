@@ -9,8 +9,9 @@ One module per concern:
   and the updated weights are gathered to every replica, bucket by bucket; under zero2 the accumulated gradients
   are held as chunks too (`owned_gradients`, summed by `tfmp.accumulation`);
 * `checkpoint_state` — the sharded state in checkpoints, written from where it lives, read into any layout;
-* `weights` — zero3 / FSDP: each trainable weight held as per-replica chunks, gathered where a layer reads it
-  (in the compute dtype), its gradient arriving as the replica's chunk; checkpointed as slices under Keras' own keys.
+* `weights` — zero3 / FSDP: each trainable weight held as per-replica chunks, gathered with its unit (a block, a
+  layer) where a layer reads it (in the compute dtype), its gradient arriving as the replica's chunk; checkpointed as
+  slices under Keras' own keys.
 
 `--sharding` takes ZeRO's stage names (`tfmp.config.SHARDING_STAGES`): `zero1` (optimizer state), `zero2`
 (gradients too, where they outlive a micro-batch) and `zero3` / FSDP (the weights too).

@@ -1,4 +1,4 @@
-"""ZeRO-3 / FSDP: each replica holds 1/N of every trainable weight; a weight is gathered where it is read.
+"""ZeRO-3 / FSDP: each replica holds 1/N of every trainable weight, gathered with its unit where it is read.
 
 `shard_weights(variables, layout, ...)` (called by `ShardedOptimizer(stage="zero3").build`) gives each trainable
 float32 Keras variable a new storage in place — the same Python object, so the model, its layers, its optimizer and
@@ -6,25 +6,29 @@ its checkpoints keep their references, paths and logical shapes: the replica's c
 flat chunks, one per-replica `ON_READ` variable). The whole mirrored copy is released. `Chunks` is how such a weight
 reads, writes and checkpoints; `tfmp.keras_internals.shard_variable` routes the Keras variable's own methods to it.
 
-Where a layer reads the weight inside `strategy.run` (Keras converts `self.kernel` to a tensor in `call`), every
-replica's chunk is all-gathered — in the compute dtype when Keras' autocast would cast it anyway (bf16/fp16 copies:
-half the bytes moved) — reshaped, and used; nothing keeps the gathered copy but the ops that need it. So the unit of
-gathering is the weight: gathered where the layer reads it and released after its last use — in the backward pass
-when that pass needs it (a matmul's input gradient does), and under `--remat` the recomputed forward gathers again
-instead of keeping it. When: a gather's only input is the chunk, so left alone TensorFlow's executor issues a step's
-gathers as it starts. Where a tape keeps the copy for a backward pass, that is left so (the gathers overlap the
-forward pass); where none does — inference, a momentum target's forward pass, `--remat`'s blocks — each gather waits
-for the layer before (`_gather_waits`), and a replica holds about one gathered weight at a time. The gather's
+Where a layer reads the weight inside `strategy.run` (Keras converts `self.kernel` to a tensor in `call`), it is
+gathered with the rest of its unit — FSDP's unit, found from the layer calls in progress (`_unit_call`): the outermost
+one whose sharded weights fit one bucket (32 MiB of float32) — a ViT or ResNet block where the block is one layer (as
+under `--remat`), else each of its layers, a small model whole — in one all-gather (`UnitGather`), in the compute dtype
+where Keras' autocast would cast the weight anyway (bf16/fp16 copies: half the bytes moved; float32 islands in a
+gather of their own). A weight read outside any such call is gathered alone. One collective per unit instead of one
+per weight: between processes each collective and each traced gradient costs time (BUILD_NOTES). Nothing keeps the
+gathered copies but the ops that need them: released after their last use — in the backward pass when that pass
+needs them (a matmul's input gradient does) — and under `--remat` the recomputed forward gathers again instead of
+keeping them. When: a gather's only inputs are chunks, so left alone TensorFlow's executor issues a step's gathers as
+it starts. Where a tape keeps the copies for a backward pass, that is left so (the gathers overlap the forward pass);
+where none does — inference, a momentum target's forward pass, `--remat`'s blocks — each unit's gather waits for the
+unit before (`_gather_waits`), and a replica holds about two units' copies at a time (one computing, the next). The
 gradient is the reduce-scatter ZeRO needs: each replica receives the sum over replicas of its chunk's gradient (a
 float32 all-reduce of which each replica keeps its chunk off GPUs; NCCL's reduce-scatter where
 `collectives.choose_gradient_reduction` finds GPUs), so `tape.gradient(loss, model.trainable_weights)` returns chunks,
 and `ShardedOptimizer(stage="zero3")` updates each replica's chunks in place, with no collective.
 
 Outside a replica context (eager reads: `get_weights`, `numpy()`, export, evaluation callbacks) a weight reads whole:
-the local replicas' chunks concatenated on one machine, an all-gather across workers. Assigning a whole value (a
-restore, `set_weights`, the moving average swapped in) writes each replica its chunk. Where Keras traces for shapes
-only (`compute_output_spec`, as in fit()'s symbolic build: a scratch graph never run) the weight reads as a stand-in
-of its shape, never gathered.
+the local replicas' chunks concatenated on one machine, across workers one all-gather for a group of weights
+(`whole_weights`). Assigning a whole value (a restore, `set_weights`, the moving average swapped in) writes each
+replica its chunk. Where Keras traces for shapes only (`compute_output_spec`, as in fit()'s symbolic build: a scratch
+graph never run) the weight reads as a stand-in of its shape, never gathered.
 
 Checkpoints: each weight is saved under its own key with its logical shape, as the slices its replicas hold (a flat
 chunk is a few rectangular boxes of the tensor: `flat_boxes`), and TensorFlow's bundle reader assembles any slice from
@@ -156,35 +160,34 @@ class Chunks:
         return context is not None and context.num_replicas_in_sync > 1
 
     def read(self, autocast):
-        """The whole weight where a layer reads it: gathered from every replica's chunk inside `strategy.run` (cast by
-        `autocast` first: the compute dtype's bytes move), else `whole()`."""
+        """The whole weight where a layer reads it: inside `strategy.run`, gathered from every replica's chunk in the
+        dtype the reading layer's `autocast` gives it (the compute dtype's bytes move) — with the rest of its unit's
+        weights where a unit's call is in progress (`_unit_call`), else alone; outside, `whole()`."""
         if not self.in_replica_context():  # cross-replica or the default context: eager reads
             return self.whole()
-        context = tf.distribute.get_replica_context()
-        layout, reduction, size, chunk, shape = self.layout, self.reduction, self.size, self.chunk, self.shape
-        device = self.storage.device
-
-        @tf.custom_gradient
-        def gather(own):
-            low = _placed(autocast(own), device)
-            if low.dtype == tf.bfloat16:  # TensorFlow's CPU collective gather has no bf16 kernel: the same 16 bits move
-                gathered = tf.bitcast(context.all_gather(tf.bitcast(low, tf.float16), axis=0), tf.bfloat16)
-            else:
-                gathered = context.all_gather(low, axis=0)  # [replicas * chunk], in replica order
-            whole = tf.reshape(gathered[:size], shape)
-
-            def gradient(upstream):  # each replica receives its chunk of the gradient summed over the replicas
-                flat = tf.pad(tf.reshape(tf.cast(upstream, tf.float32), [-1]), [[0, layout.replicas * chunk - size]])
-                packed = tf.reshape(flat, [layout.replicas, chunk])
-                order = reduction.rank_order(context)
-                packed = _placed(tf.reshape(packed if order is None else tf.gather(packed, order), [-1]), device)
-                return reduction.own_chunk(context, packed, layout.replicas)
-
-            return whole, gradient
-
-        own = tf.convert_to_tensor(self.storage)
-        with tf.control_dependencies(_gather_waits(device, kept=keras_internals.tape_records(own))):
-            return gather(own)
+        del autocast  # the dtype it casts to is the variable's dtype inside the reading layer's autocast scope:
+        dtype = tf.as_dtype(self.variable.dtype)  # read so, as no op may be made before `_gather_waits` runs
+        unit = _unit_call(self)
+        if unit is None:
+            return UnitGather([self], dtype).whole(self)
+        scope, members = unit
+        # A copy gathered where no tape recorded has no gradient path for a recording tape (and back): kept by state.
+        recording = keras_internals.tape_recording()
+        gathers = _UNIT_GATHERS.setdefault(scope, {})
+        gather = gathers.get((dtype, recording))
+        if gather is None:
+            group = [chunks for chunks, read_as in members.values() if read_as == dtype]
+            if not any(chunks is self for chunks in group):  # its layer reads it against its policy: gathered alone
+                return UnitGather([self], dtype).whole(self)
+            gather = gathers[dtype, recording] = UnitGather(group, dtype)
+        elif self in gather:
+            # This read of the chunk tells TensorFlow the weight is used here: where it sits inside a function with
+            # its own gradient (`tf.recompute_grad`'s first pass, a user's `tf.custom_gradient`), that function's
+            # gradient then covers the weight, although its copy was gathered before, in another such function.
+            tf.convert_to_tensor(self.storage)
+        if self not in gather:  # its layer reads it in another dtype than its policy says: gathered alone
+            return UnitGather([self], dtype).whole(self)
+        return gather.whole(self)
 
     def whole(self) -> tf.Tensor:
         """The whole weight in float32, outside a replica context (`whole_weights`)."""
@@ -263,6 +266,117 @@ class Chunks:
             chunk.assign(tf.pad(values, [[0, missing]]) if missing else values)
 
 
+class UnitGather:
+    """One all-gather of several sharded weights' chunks, cast to `dtype` first (FSDP's unit: one collective for a
+    block's weights instead of one per weight — on 2 workers ViT-B/16's 196 per-weight gathers took ~1.05 s a step,
+    in 17 groups ~0.55 s), traced where the first of them is read; `whole(chunks)` hands each weight its part.
+
+    The gradient is one reduction for the unit's weights: each replica receives the sum over replicas of its chunks'
+    gradients (`collectives`), so `tape.gradient` returns chunks. A member its layers never read in this call gets
+    no gradient (None, as an unused weight gets unsharded), not the zeros TensorFlow passes for an unused output; one
+    read but not connected to the loss gets zeros where unsharded it gets None (not told apart here). Made inside
+    `strategy.run` only."""
+
+    def __init__(self, members: list[Chunks], dtype):
+        self.members, self.dtype, self.read = members, tf.as_dtype(dtype), set()
+        self.position = {id(chunks): index for index, chunks in enumerate(members)}
+        # The waits first: they are found from the newest op on the device, which must be the model's, not a read here.
+        waits = _gather_waits(members[0].storage.device, kept=keras_internals.tape_recording())
+        owns = [tf.convert_to_tensor(chunks.storage) for chunks in members]
+        with tf.control_dependencies(waits):
+            self.wholes = self._gather(tf.distribute.get_replica_context())(*owns)
+
+    def __contains__(self, chunks) -> bool:
+        return id(chunks) in self.position
+
+    def whole(self, chunks) -> tf.Tensor:
+        index = self.position[id(chunks)]
+        self.read.add(index)
+        return self.wholes[index]
+
+    def _gather(self, context):
+        members, dtype, read = self.members, self.dtype, self.read
+        replicas, device, reduction = members[0].layout.replicas, members[0].storage.device, members[0].reduction
+
+        @tf.custom_gradient
+        def gather(*owns):
+            low = [tf.cast(own, dtype) for own in owns]
+            low = _placed(tf.concat(low, axis=0) if len(low) > 1 else low[0], device)
+            if dtype == tf.bfloat16:  # TensorFlow's CPU collective gather has no bf16 kernel: the same 16 bits move
+                gathered = tf.bitcast(context.all_gather(tf.bitcast(low, tf.float16), axis=0), tf.bfloat16)
+            else:
+                gathered = context.all_gather(low, axis=0)  # replica r's chunks of every member, in replica order
+            if len(members) == 1:
+                wholes = [tf.reshape(gathered[:members[0].size], members[0].shape)]
+            else:
+                rows, wholes, start = tf.reshape(gathered, [replicas, -1]), [], 0
+                for chunks in members:
+                    part = tf.reshape(rows[:, start:start + chunks.chunk], [-1])
+                    wholes.append(tf.reshape(part[:chunks.size], chunks.shape))
+                    start += chunks.chunk
+
+            def gradient(*upstreams):
+                present = [index for index in sorted(read) if upstreams[index] is not None]
+                gradients = [None] * len(members)
+                if not present:
+                    return gradients
+                parts = []
+                for index in present:
+                    chunks = members[index]
+                    flat = tf.reshape(tf.cast(upstreams[index], tf.float32), [-1])
+                    parts.append(tf.reshape(tf.pad(flat, [[0, replicas * chunks.chunk - chunks.size]]),
+                                            [replicas, chunks.chunk]))
+                packed = tf.concat(parts, axis=1) if len(parts) > 1 else parts[0]  # row r: what replica r keeps
+                order = reduction.rank_order(context)
+                packed = _placed(tf.reshape(packed if order is None else tf.gather(packed, order), [-1]), device)
+                own = reduction.own_chunk(context, packed, replicas)
+                pieces = tf.split(own, [members[index].chunk for index in present]) if len(present) > 1 else [own]
+                for index, piece in zip(present, pieces):
+                    gradients[index] = piece
+                return gradients
+
+            return wholes, gradient
+
+        return gather
+
+
+# Per traced graph, each layer's unit members (`_unit_members`); per layer call in progress (its Keras name scope), the
+# unit gathers made in it, by dtype. Weak keys: a graph, a layer or a call gone takes its entries with it.
+_UNIT_MEMBERS: "weakref.WeakKeyDictionary[tf.Graph, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+_UNIT_GATHERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _unit_call(chunks: Chunks):
+    """`(scope, members)` of the outermost layer call in progress whose sharded weights include `chunks`' weight and
+    take at most one bucket of float32 (`Layout.bucket_bytes`, 32 MiB) — FSDP's unit chosen by size, from the calls
+    themselves: a ViT-B/16 or ResNet block where it is one layer (a `--remat` block, a user's sub-model), else each
+    layer of it; the model around them is too large. None where no layer call holds the weight (a read from a user's
+    own train step)."""
+    known = _UNIT_MEMBERS.setdefault(tf.compat.v1.get_default_graph(), weakref.WeakKeyDictionary())
+    for scope, layer in keras_internals.layer_calls():
+        if layer not in known:
+            known[layer] = _unit_members(layer, chunks.layout.bucket_bytes)
+        if id(chunks) in known[layer]:
+            return scope, known[layer]
+    return None
+
+
+def _unit_members(layer, limit: int) -> dict:
+    """`{id(chunks): (chunks, dtype read)}` for the sharded weights under `layer`, each with the dtype its own layer's
+    policy reads it in (the compute dtype where that layer autocasts it, else float32) — empty when they exceed
+    `limit` bytes of float32."""
+    members = {}
+    for owner, variable in keras_internals.weights_by_owner(layer):
+        if not is_sharded(variable) or id(variable.sharded) in members:
+            continue
+        compute = tf.as_dtype(owner.compute_dtype)
+        casts = owner.autocast and keras_internals.variable_autocasts(variable) and compute.is_floating
+        members[id(variable.sharded)] = (variable.sharded, compute if casts else tf.float32)
+    if sum(chunks.size for chunks, _ in members.values()) * 4 > limit:
+        return {}
+    return members
+
+
 def whole_weights(members: list[Chunks]) -> list[tf.Tensor]:
     """The whole float32 values of sharded weights, outside a replica context: on one machine each weight's local
     chunks concatenated; across workers one all-gather of all their chunks (every worker must call it with the same
@@ -332,13 +446,13 @@ _PREVIOUS_READS: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDi
 
 
 def _gather_waits(device: str, kept: bool) -> list:
-    """The ops a gather traced now on `device` must wait for, so that its copy is made shortly before its layer runs
-    where nothing keeps it for a backward pass.
+    """The ops a gather traced now on `device` must wait for, so that its copies are made shortly before their unit
+    runs where nothing keeps them for a backward pass.
 
     A gather's only input is the replica's chunk, which exists when the step starts, so TensorFlow's executor would
     issue every gather of a step at once and hold every gathered copy together. Where a backward pass keeps the copy
     anyway (`kept`: a tape records it) that costs nothing and lets the gathers overlap the forward pass; there no
-    wait. Elsewhere each gather waits for the replica's newest op when the previous weight was read: about one layer
+    wait. Elsewhere each gather waits for the replica's newest op when the previous gather was made: about one unit
     of prefetch, as FSDP's. That is inference, a momentum target's forward pass, and `--remat`'s blocks — their
     first forward pass runs unrecorded, and a block's recomputation (`remat.current_recomputation()`) gathers after
     the backward pass reached it (its first gather waits for the newest op then, which follows the block's incoming
