@@ -8,7 +8,7 @@ Builds `--model`'s classifier under MirroredStrategy with Keras' AdamW (`--shard
 `ShardedOptimizer(AdamW, stage=...)`, then measures the TensorFlow allocator's peak above the start of each call
 (medians of `--calls` calls after a warm-up). Logical CPU devices share one allocator: the figures are both replicas'
 together. With `--no_waits` (zero3) every gather is issued when the call starts, as before the gathers waited for the
-layer before (`tfmp.sharding.weights._gather_waits`). Needs TensorFlow's allocator statistics on the CPU (oneDNN on:
+unit before (`tfmp.sharding.weights._gather_waits`). Needs TensorFlow's allocator statistics on the CPU (oneDNN on:
 `tfmp.tf_environment` turns it on). Prints one JSON line.
 """
 
