@@ -327,10 +327,7 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         `gradients`, and writes the weights; returns the new weight chunks (the next bucket waits for them)."""
         layout, variables = self.layout, self.variables_in_order
         replica = context.replica_id_in_sync_group
-        # zero1/zero2 cut a chunk from each whole weight (a copy): made once the bucket's gradients are reduced, not
-        # all at the step's start. zero3's chunk is its storage, read for free (made to wait, it cost memory).
-        with tf.control_dependencies(gradients if self.stage != "zero3" else []):
-            weights = [self._own_weight(variables[index], index, replica) for index in bucket]
+        weights = [self._own_weight(variables[index], index, replica, after=gradients) for index in bucket]
         if self.clipnorm:
             gradients = self._clipped_per_variable(context, gradients)
         norms = self._lars_norms(context, bucket, weights, gradients)
@@ -363,11 +360,14 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         context.merge_call(_write_all, args=([variables[index] for index in bucket], values))
         return new_weights
 
-    def _own_weight(self, variable, index: int, replica):
-        """This replica's chunk of a variable's weight, float32: its own storage under zero3, else cut from the whole."""
+    def _own_weight(self, variable, index: int, replica, after: list):
+        """This replica's chunk of a variable's weight, float32: under zero3 its own storage, read for free (made to
+        wait as well, it cost memory); else cut from the whole weight — a copy, made once `after` (the bucket's reduced
+        gradients) exist, not for every bucket at the step's start."""
         if self.stage == "zero3":
             return tf.convert_to_tensor(variable.sharded.storage)
-        return tf.gather(self._chunked(variable.value, index), replica)
+        with tf.control_dependencies(after):
+            return tf.gather(self._chunked(variable.value, index), replica)
 
     def _lars_norms(self, context, bucket, weights, gradients):
         """LARS' whole-variable norms `(|w|, |g + decay * w|)` from every replica's chunks (None for other rules)."""
