@@ -306,14 +306,7 @@ class UnitGather:
                 gathered = tf.bitcast(context.all_gather(tf.bitcast(low, tf.float16), axis=0), tf.bfloat16)
             else:
                 gathered = context.all_gather(low, axis=0)  # replica r's chunks of every member, in replica order
-            if len(members) == 1:
-                wholes = [tf.reshape(gathered[:members[0].size], members[0].shape)]
-            else:
-                rows, wholes, start = tf.reshape(gathered, [replicas, -1]), [], 0
-                for chunks in members:
-                    part = tf.reshape(rows[:, start:start + chunks.chunk], [-1])
-                    wholes.append(tf.reshape(part[:chunks.size], chunks.shape))
-                    start += chunks.chunk
+            wholes = _wholes_from_gathered(gathered, members)
 
             def gradient(*upstreams):
                 present = [index for index in sorted(read) if upstreams[index] is not None]
@@ -377,6 +370,18 @@ def _unit_members(layer, limit: int) -> dict:
     return members
 
 
+def _wholes_from_gathered(gathered, members: list[Chunks]) -> list[tf.Tensor]:
+    """Each member's whole value from an all-gather of every replica's chunks of `members` laid end to end (row r of
+    `[replicas, sum of chunks]`: replica r's chunks, in member order)."""
+    if len(members) == 1:
+        return [tf.reshape(gathered[:members[0].size], members[0].shape)]
+    rows, wholes, start = tf.reshape(gathered, [members[0].layout.replicas, -1]), [], 0
+    for chunks in members:
+        wholes.append(tf.reshape(tf.reshape(rows[:, start:start + chunks.chunk], [-1])[:chunks.size], chunks.shape))
+        start += chunks.chunk
+    return wholes
+
+
 def whole_weights(members: list[Chunks]) -> list[tf.Tensor]:
     """The whole float32 values of sharded weights, outside a replica context: on one machine each weight's local
     chunks concatenated; across workers one all-gather of all their chunks (every worker must call it with the same
@@ -388,20 +393,14 @@ def whole_weights(members: list[Chunks]) -> list[tf.Tensor]:
     key = tuple(id(chunks) for chunks in members)  # the function keeps the members, so their ids stay theirs
     gather = members[0].whole_gathers.get(key)
     if gather is None:
-        strategy, replicas = members[0].strategy, members[0].layout.replicas
+        strategy = members[0].strategy
 
         def gather_in_replica():
             own = [tf.convert_to_tensor(chunks.storage) for chunks in members]
             device = members[0].storage.device
             gathered = tf.distribute.get_replica_context().all_gather(
                 _placed(tf.concat(own, axis=0) if len(own) > 1 else own[0], device), axis=0)
-            gathered = tf.reshape(gathered, [replicas, -1])  # row r: replica r's chunks of every member, in order
-            wholes, start = [], 0
-            for chunks in members:
-                wholes.append(tf.reshape(tf.reshape(gathered[:, start:start + chunks.chunk], [-1])[:chunks.size],
-                                         chunks.shape))
-                start += chunks.chunk
-            return wholes
+            return _wholes_from_gathered(gathered, members)
 
         gather = members[0].whole_gathers[key] = tf.function(lambda: strategy.run(gather_in_replica))
     return [members[0].strategy.experimental_local_results(whole)[0] for whole in gather()]
