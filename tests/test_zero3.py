@@ -12,7 +12,7 @@ import tensorflow as tf
 from test_sharding import LAYOUTS, STEPS, ScaledModel, _data, _optimizer, fp16_model, poisoned_step
 from test_sharding import _model as sharding_model
 from tfmp import distribute, models, precision, sharding
-from tfmp.sharding import weights
+from tfmp.sharding import units, weights
 from tfmp.sharding.layout import Layout
 
 
@@ -72,14 +72,15 @@ def test_zero3_in_a_strategy_run_loop_ends_where_the_unsharded_run_does(kind):
     assert all(not np.allclose(a.numpy(), b.numpy()) for a, b in zip(sharded.weights, start.weights))  # all trained
 
 
-def _gradients_per_stage(build, monkeypatch) -> tuple[dict, dict, dict]:
-    """`build(images)` (in the strategy's scope) on 2 replicas, unsharded and under zero3 (SGD built over its weights):
-    per stage its gradients of the mean cross-entropy on 32 images (a flat array per weight, empty for None;
-    unsharded the sum of the replicas' gradients, under zero3 each replica's chunk of that sum, end to end), the model,
-    and each `weights.UnitGather` its step made, as (number of weights, dtype)."""
+def _gradients_per_stage(build, monkeypatch, units_of=lambda model: None) -> tuple[dict, dict, dict]:
+    """`build(images)` (in the strategy's scope) on 2 replicas, unsharded and under zero3 (SGD built over its weights,
+    with the FSDP units `units_of(model)`): per stage its gradients of the mean cross-entropy on 32 images in training
+    mode (a flat array per weight, empty for None; unsharded the sum of the replicas' gradients, under zero3 each
+    replica's chunk of that sum, end to end), the model, and each `units.UnitGather` its step made, as (number of
+    weights, dtype)."""
     made = []
-    original = weights.UnitGather.__init__
-    monkeypatch.setattr(weights.UnitGather, "__init__", lambda gather, members, dtype: made.append(
+    original = units.UnitGather.__init__
+    monkeypatch.setattr(units.UnitGather, "__init__", lambda gather, members, dtype: made.append(
         (len(members), tf.as_dtype(dtype).name)) or original(gather, members, dtype))
     strategy = distribute.get_strategy("mirrored")
     images, labels = _data()
@@ -88,11 +89,15 @@ def _gradients_per_stage(build, monkeypatch) -> tuple[dict, dict, dict]:
         keras.utils.set_random_seed(0)
         with strategy.scope():
             model = build(images)
-            _sharded(keras.optimizers.SGD(0.1), stage).build(model.trainable_weights)
+            if stage == "none":
+                keras.optimizers.SGD(0.1).build(model.trainable_weights)
+            else:
+                sharding.ShardedOptimizer(keras.optimizers.SGD(0.1), stage=stage, units=units_of(model)).build(
+                    model.trainable_weights)
 
         def step(x, y, model=model):
             with tf.GradientTape() as tape:
-                logits = tf.cast(model(x), tf.float32)
+                logits = tf.cast(model(x, training=True), tf.float32)
                 loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
             return [tf.zeros([0]) if gradient is None else tf.reshape(gradient, [-1])
                     for gradient in tape.gradient(loss, model.trainable_weights)]
@@ -110,7 +115,7 @@ def _gradients_per_stage(build, monkeypatch) -> tuple[dict, dict, dict]:
 
 @pytest.mark.parametrize("gathering", ["units", "weights"])
 def test_a_units_weights_are_gathered_together_and_a_weight_it_does_not_read_gets_no_gradient(gathering, monkeypatch):
-    """The small subclassed model is one unit (`weights.UnitGather`: under a bucket): each replica gathers its weights
+    """The small subclassed model is one unit (`units.UnitGather`: under a bucket): each replica gathers its weights
     in one collective per call, where gathered a weight at a time (`gathering="weights"`) it took one each; either way
     the gradients are the unsharded ones, and a weight the call never reads gets None, as unsharded — not the zeros
     TensorFlow hands a gathered copy nobody used (AdamW would decay the weight)."""
@@ -131,7 +136,7 @@ def test_a_units_weights_are_gathered_together_and_a_weight_it_does_not_read_get
         return model
 
     if gathering == "weights":
-        monkeypatch.setattr(weights, "_unit_call", lambda chunks: None)
+        monkeypatch.setattr(units, "unit_of", lambda chunks: None)
     gradients, built, gathers = _gradients_per_stage(build, monkeypatch)
     # Units: the model's 6 weights (the spare's too) in one gather per replica; else the 4 read, one each.
     assert gathers == {"none": [], "zero3": [(6, "float32")] * 2 if gathering == "units" else [(1, "float32")] * 8}
@@ -164,6 +169,100 @@ def test_a_weight_read_against_its_layers_policy_is_gathered_alone_in_the_dtype_
     _, _, gathers = _gradients_per_stage(build, monkeypatch)
     # Per replica: the model's 4 bf16 weights in one gather, the kernel alone in float32.
     assert sorted(gathers["zero3"]) == [(1, "float32")] * 2 + [(4, "bfloat16")] * 2, gathers
+
+
+def test_the_units_a_user_declares_are_gathered_together_and_the_other_weights_by_size(monkeypatch):
+    """`units=[[first, second], head]` on a functional model: each replica gathers the two Dense layers' 4 weights in
+    one collective and the head's 2 in another; the layer in no unit is gathered by size (the model's undeclared
+    weights fit a bucket); the gradients are the unsharded ones."""
+
+    def build(images):
+        inputs = keras.Input(images.shape[1:])
+        x = keras.layers.Flatten()(inputs)
+        for name, width in (("first", 15), ("second", 15), ("third", 12)):
+            x = keras.layers.Dense(width, activation="relu", name=name)(x)
+        return keras.Model(inputs, keras.layers.Dense(10, name="head")(x))
+
+    _, _, gathers = _gradients_per_stage(build, monkeypatch, lambda model: [
+        [model.get_layer("first"), model.get_layer("second")], model.get_layer("head")])
+    assert sorted(gathers["zero3"]) == [(2, "float32")] * 4 + [(4, "float32")] * 2, gathers
+
+
+@pytest.mark.parametrize("remat", ["none", "blocks"])
+def test_a_tfmp_vits_blocks_are_its_units_with_or_without_remat(remat, monkeypatch):
+    """`units=tfmp.models.block_of` on a ViT classifier (4 blocks of 16 weights): each replica gathers each block in
+    one collective — its first pass and its recomputation once each under `--remat=blocks` — and the patch embedding,
+    final norm and head (in no block) together by size; the gradients are the unsharded ones."""
+
+    def build(images):
+        return models.build_classifier(models.build_encoder("vit_micro_p2", images.shape[1:], remat=remat), 10)
+
+    _, built, gathers = _gradients_per_stage(build, monkeypatch, lambda model: models.block_of)
+    blocks = {models.block_of(weight) for weight in built["zero3"].trainable_weights} - {None}
+    assert blocks == {"block0", "block1", "block2", "block3"}
+    passes = 2 if remat == "blocks" else 1
+    assert sorted(gathers["zero3"]) == [(6, "float32")] * 2 + [(16, "float32")] * (4 * passes * 2), gathers
+
+
+def test_a_momentum_targets_blocks_are_units_of_their_own(monkeypatch):
+    """BYOL on a ViT under zero3 with `units=tfmp.models.block_of`: the target's weights follow the online ones in
+    units twinned with theirs — each gather holds the online weights or the target's, never both, and every block of
+    each is gathered in one collective."""
+    from tfmp import data, registry
+    from tfmp.data import augment
+
+    members = []
+    original = units.UnitGather.__init__
+    monkeypatch.setattr(units.UnitGather, "__init__", lambda gather, chunks, dtype: members.append(
+        {id(member) for member in chunks}) or original(gather, chunks, dtype))
+    strategy = distribute.get_strategy("mirrored")
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        encoder = models.build_encoder("vit_micro_p2", (8, 8, 1))
+        model = registry.SSL_METHODS.load("byol")(encoder, projection_dim=16, seed=0, num_classes=10, total_steps=4,
+                                                  augment_config=augment.AugmentConfig(crop_scale=(0.5, 1.0), flip=False))
+        model.build((None, 8, 8, 1))
+        model.compile(optimizer=sharding.ShardedOptimizer(_optimizer("sgd"), stage="zero3", units=models.block_of))
+    digits = data.load("digits")
+    model.fit(data.classification_pipeline(digits.train, 32, training=True, indices=np.arange(32)), epochs=1, verbose=0)
+    targets, online = model.target_weights(), model.online_target_weights()
+    target_ids, online_ids = {id(weight.sharded) for weight in targets}, {id(weight.sharded) for weight in online}
+    assert all(gathered <= target_ids or not gathered & target_ids for gathered in members)
+    for block in ("block0", "block3"):
+        leaders = [weight for weight in online if models.block_of(weight) == block]
+        followers = [target for target, leader in zip(targets, online) if models.block_of(leader) == block]
+        assert len(leaders) == 16
+        for weights_of_block in (leaders, followers):
+            assert {id(weight.sharded) for weight in weights_of_block} in members, block
+
+
+def test_units_are_refused_in_one_line_where_they_cannot_apply():
+    strategy = distribute.get_strategy("mirrored")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"), keras.layers.Dense(2, name="b")])
+        other = keras.layers.Dense(2)  # never built: no weights
+    with pytest.raises(ValueError, match="sharding=zero1 gathers no weights"):
+        sharding.ShardedOptimizer(keras.optimizers.SGD(), stage="zero1", units=models.block_of)
+    with pytest.raises(ValueError, match="unit 1 holds a str"):
+        sharding.ShardedOptimizer(keras.optimizers.SGD(), stage="zero3", units=[model.layers[0], "b"])
+    with pytest.raises(ValueError, match="units must be a function of a variable or a list"):
+        sharding.ShardedOptimizer(keras.optimizers.SGD(), stage="zero3", units="blocks")
+    for units_given, message in (([model.layers[0], [model.layers[0].kernel]], "is in unit 0 and in unit 1"),
+                                 ([model.layers[1], other], "unit 1 .* holds none of the weights")):
+        with strategy.scope():
+            optimizer = sharding.ShardedOptimizer(keras.optimizers.SGD(), stage="zero3", units=units_given)
+        with pytest.raises(ValueError, match=message):
+            optimizer.build(model.trainable_weights)
+    assert not any(weights.is_sharded(weight) for weight in model.trainable_weights)  # nothing changed
+
+
+def test_block_of_names_the_block_a_weight_belongs_to():
+    keras.utils.set_random_seed(0)
+    vit, resnet = models.build_encoder("vit_micro_p2", (8, 8, 1)), models.build_encoder("resnet18_cifar", (32, 32, 3))
+    assert models.block_of(vit.get_layer("block2_attention").trainable_weights[0]) == "block2"
+    assert {models.block_of(weight) for weight in vit.get_layer("patch_embedding").trainable_weights} == {None}
+    assert models.block_of(resnet.get_layer("stage1_block0_a_conv").trainable_weights[0]) == "stage1_block0"
+    assert models.block_of(resnet.get_layer("stem_conv").trainable_weights[0]) is None
 
 
 def test_each_replica_holds_half_of_every_weight_and_of_the_optimizer_state():
@@ -220,7 +319,7 @@ def test_zero3_under_bf16_gathers_bf16_and_computes_what_zero1_does_bit_for_bit(
     images, labels = _data()
     plain, zero1, sharded = (_model(strategy, "adamw", stage) for stage in ("none", "zero1", "zero3"))
     gathered = _gathered_dtypes(sharded, strategy, images)
-    # The small model is one unit (`weights.UnitGather`): its weights leave each replica in one gather, as bf16 bits
+    # The small model is one unit (`units.UnitGather`): its weights leave each replica in one gather, as bf16 bits
     # in 16-bit halves, and come back — half the bytes of float32 move.
     assert gathered.count("bfloat16") == gathered.count("float16") == 2, gathered
     for model in (plain, zero1, sharded):
@@ -414,7 +513,7 @@ def test_ssl_methods_under_zero3_end_where_the_unsharded_run_does(name):
 def _gathers_kept_for_a_backward_pass(monkeypatch) -> list:
     """Fills a list, as steps are traced, with (the weight's `Chunks`, whether a tape keeps its gathered copy)."""
     gathers, reading = [], []
-    read, waits = weights.Chunks.read, weights._gather_waits
+    read, waits = weights.Chunks.read, units.gather_waits
 
     def recording_read(chunks, autocast):
         reading.append(chunks)
@@ -428,7 +527,7 @@ def _gathers_kept_for_a_backward_pass(monkeypatch) -> list:
         return waits(device, kept)
 
     monkeypatch.setattr(weights.Chunks, "read", recording_read)
-    monkeypatch.setattr(weights, "_gather_waits", recording_waits)
+    monkeypatch.setattr(units, "gather_waits", recording_waits)
     return gathers
 
 
@@ -615,14 +714,14 @@ def _gathered_bytes_and_results(strategy, width=1024, layers=8):
 def test_where_no_backward_pass_keeps_a_gathered_weight_it_is_gathered_just_before_its_unit(monkeypatch):
     """An inference pass, and `--remat`'s blocks (their first pass is unrecorded; a recomputed block gathers after the
     backward pass reached it): each zero3 gather waits for the unit before — here a checkpointed block of two 4 MiB
-    kernels, gathered in one collective (`weights.UnitGather`) — so a replica holds about two units' copies at a time
+    kernels, gathered in one collective (`units.UnitGather`) — so a replica holds about two units' copies at a time
     (the one computing, the next one gathered) instead of every one from the step's start, and computes the same.
     Measured against the same code with the waits removed, 8 units, both replicas: an inference pass 40 against
     106 MiB, a remat step 42 against 200 MiB (gathered a weight at a time, before units: 4 MiB of 4 kernels)."""
     strategy = distribute.get_strategy("mirrored")
     unit_mib = 2 * 1024 * 1024 * 4 / 2**20
     ordered, outputs, trained = _gathered_bytes_and_results(strategy, layers=16)
-    monkeypatch.setattr(weights, "_gather_waits", lambda device, kept: [])
+    monkeypatch.setattr(units, "gather_waits", lambda device, kept: [])
     unordered, same_outputs, same_trained = _gathered_bytes_and_results(strategy, layers=16)
     replicas = 2  # logical CPU devices share one allocator: the peaks are both replicas'
     assert ordered["forward"] <= replicas * 3 * unit_mib and unordered["forward"] >= replicas * 5 * unit_mib, (

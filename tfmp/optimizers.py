@@ -18,7 +18,7 @@ import re
 import keras
 from keras import ops
 
-from tfmp import averaging, clipping, keras_internals, precision, update_rules
+from tfmp import averaging, clipping, keras_internals, models, precision, update_rules
 from tfmp.sharding import ShardedOptimizer
 from tfmp.config import LEARNING_RATE_SCALINGS
 
@@ -112,7 +112,8 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     Args:
         config: optimizer, learning rate and its scaling, epochs, warmup, weight decay, loss scale,
             `global_clipnorm` or `clipnorm` (`tfmp.clipping`: after the replicas' sum), `ema_momentum` (`tfmp.averaging`) and
-            `sharding` (`zero1`, `zero2`: `tfmp.sharding.ShardedOptimizer` inside the loss scaling).
+            `sharding` (`zero1`, `zero2`, `zero3`: `tfmp.sharding.ShardedOptimizer` inside the loss scaling; zero3 gathers
+            each block of tfmp's encoders as one unit, `tfmp.models.block_of`).
         steps_per_epoch: optimizer steps per epoch.
     """
     peak = scaled_learning_rate(config.learning_rate, config.global_batch_size, config.learning_rate_scaling)
@@ -129,8 +130,9 @@ def make_optimizer(config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     if config.ema_momentum:
         averaging.average_weights(optimizer, config.ema_momentum)
     if config.sharding != "none":
+        # zero3's FSDP units: tfmp's encoders' blocks (the rest — stem, heads — grouped by size).
         optimizer = ShardedOptimizer(optimizer, global_clipnorm=config.global_clipnorm or None, clipnorm=config.clipnorm or None,
-                                     stage=config.sharding)
+                                     stage=config.sharding, units=models.block_of if config.sharding == "zero3" else None)
     elif config.global_clipnorm:
         optimizer = clipping.clip_after_reduction(optimizer, config.global_clipnorm)
     elif config.clipnorm:

@@ -7,6 +7,8 @@ layer with a float32 policy, so logits and losses stay float32 whatever the poli
 
 from __future__ import annotations
 
+import re
+
 import keras
 
 from tfmp import registry
@@ -65,6 +67,25 @@ def build_classifier(encoder: keras.Model, num_classes: int, name: str = "classi
     return keras.Model(inputs, logits, name=name)
 
 
+# A block's layers are named after it (`tfmp.models.remat.checkpointed`): `block3_attention` (ViTs),
+# `stage2_block1_a_conv` (ResNets), `decoder_block0_mlp_hidden` (MAE's decoder); a variable's path starts with them.
+_BLOCK_LAYER = re.compile(r"((?:[A-Za-z0-9]+_)*?block\d+)(?:_|$)")
+
+
+def block_of(variable) -> str | None:
+    """The transformer or residual block of a tfmp model a weight belongs to, from its path (`block3` for
+    `block3_attention/query/kernel`, `stage2_block1` for `stage2_block1_a_conv/kernel`, with the path segments before
+    it), or None (a stem, a head, a final norm). zero3's FSDP units in tfmp's CLI
+    (`tfmp.sharding.ShardedOptimizer(units=...)`): a block's weights are gathered together, with or without `--remat`
+    (under it the block's variables keep these paths)."""
+    segments = variable.path.split("/")
+    for depth, segment in enumerate(segments[:-1]):
+        match = _BLOCK_LAYER.match(segment)
+        if match:
+            return "/".join([*segments[:depth], match.group(1)])
+    return None
+
+
 from tfmp.models import export  # noqa: E402 — `tfmp.models.export.portable(model)`, after what it builds on
 
-__all__ = ["NormSettings", "build_encoder", "build_classifier", "check_image_size", "takes_drop_path", "export"]
+__all__ = ["NormSettings", "block_of", "build_encoder", "build_classifier", "check_image_size", "takes_drop_path", "export"]

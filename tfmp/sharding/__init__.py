@@ -9,9 +9,10 @@ One module per concern:
   and the updated weights are gathered to every replica, bucket by bucket; under zero2 the accumulated gradients
   are held as chunks too (`owned_gradients`, summed by `tfmp.accumulation`);
 * `checkpoint_state` — the sharded state in checkpoints, written from where it lives, read into any layout;
-* `weights` — zero3 / FSDP: each trainable weight held as per-replica chunks, gathered with its unit (a block, a
-  layer) where a layer reads it (in the compute dtype), its gradient arriving as the replica's chunk; checkpointed as
-  slices under Keras' own keys.
+* `weights` — zero3 / FSDP: each trainable weight held as per-replica chunks, gathered where a layer reads it (in
+  the compute dtype), its gradient arriving as the replica's chunk; checkpointed as slices under Keras' own keys;
+* `units` — FSDP's units: which weights one all-gather brings together (a block, a layer, or the units the optimizer
+  was given) and when it runs.
 
 `--sharding` takes ZeRO's stage names (`tfmp.config.SHARDING_STAGES`): `zero1` (optimizer state), `zero2`
 (gradients too, where they outlive a micro-batch) and `zero3` / FSDP (the weights too).
@@ -19,9 +20,9 @@ One module per concern:
 
 from tfmp.sharding.collectives import (GRADIENT_REDUCTIONS, AllReduceShares, NcclReduceScatter,
                                        choose_gradient_reduction)
-from tfmp.sharding import weights
+from tfmp.sharding import units, weights
 from tfmp.sharding.layout import Layout
 from tfmp.sharding.optimizer import ShardedOptimizer, ZeroOneOptimizer
 
 __all__ = ["GRADIENT_REDUCTIONS", "AllReduceShares", "NcclReduceScatter", "Layout", "ShardedOptimizer",
-           "ZeroOneOptimizer", "choose_gradient_reduction", "weights"]
+           "ZeroOneOptimizer", "choose_gradient_reduction", "units", "weights"]

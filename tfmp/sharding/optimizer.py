@@ -89,12 +89,22 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
             None takes the inner optimizer's own `clipnorm`. Not with `global_clipnorm`.
         stage: "zero1", "zero2" or "zero3" (see the module docstring). Their checkpoints hold the same state: one
             restores into another.
+        units: zero3 only — FSDP's units, the weights gathered together in one collective where their layers read
+            them (`tfmp.sharding.units`): a list whose entries are each a Keras layer, a variable, or a list of them
+            (one unit each: the layers' trainable weights), or a function of a variable returning the name of its
+            unit (weights with equal names form one; None: not in any), as `tfmp.models.block_of` names tfmp's
+            encoders' blocks. The weights in no unit are grouped by size (a layer call whose weights fit 32 MiB).
+            Kept out of `get_config` (layers and functions do not serialise).
     """
 
     def __init__(self, inner: keras.optimizers.Optimizer, gradient_reduction: str = "auto", name: str | None = None,
-                 global_clipnorm: float | None = None, stage: str = "zero1", clipnorm: float | None = None, **kwargs):
+                 global_clipnorm: float | None = None, stage: str = "zero1", clipnorm: float | None = None, units=None,
+                 **kwargs):
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(STAGES)}, not {stage!r}")
+        if units is not None and stage != "zero3":
+            raise ValueError(f"units name the weights zero3 gathers together; sharding={stage} gathers no weights")
+        _check_units(units)
         super().__init__(learning_rate=0.0, name=name or stage, **kwargs)
         self.stage = stage
         self.gradient_reduction = gradient_reduction
@@ -121,6 +131,7 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
             self.inner_learning_rate = inner.learning_rate
         self.held.strategy = tf.distribute.get_strategy()  # built under this strategy's scope, as Keras optimizers are
         self.held.reduction = choose_gradient_reduction(self.held.strategy, gradient_reduction)
+        self.held.units = units
         self.replicas = 1
         if self.held.strategy.num_replicas_in_sync == 1:  # said here, before fit() prints its first epoch line
             logs.once(logger, logging.WARNING, f"sharding={stage} on one replica: nothing is sharded (the optimizer runs "
@@ -171,7 +182,8 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
                 # Keras decides weight decay by a variable's storage: decided while the storage is whole.
                 self.held.decays = [keras_internals.uses_weight_decay(self.inner, variable) for variable in variables]
                 weights_module.shard_weights(self.variables_in_order, self.layout, strategy, self.held.reduction,
-                                             checkpoint_state.local_replica_ids(strategy))
+                                             checkpoint_state.local_replica_ids(strategy),
+                                             unit_keys(self.held.units, self.variables_in_order))
             # One per-replica variable per slot and weight, as Keras keeps slots: each replica's copy holds its own
             # chunk's state (not a copy of the others'), and the step assigns each one whole. A single flat buffer per
             # slot cost the step two more copies of the state: written by concatenating every chunk, or slice by slice
@@ -440,6 +452,50 @@ class ShardedOptimizer(keras_internals.ShardedVariableKeys, keras.optimizers.Opt
         return cls(keras.saving.deserialize_keras_object(config.pop("inner")), **config)
 
 
+def _check_units(units) -> None:
+    """`ShardedOptimizer`'s `units` argument, refused in one line where it is not one of the forms it takes."""
+    if units is None or callable(units):
+        return
+    form = "units must be a function of a variable or a list of layers, variables or lists of them"
+    if not isinstance(units, (list, tuple)):
+        raise ValueError(f"{form}, not {type(units).__name__}")
+    for number, entry in enumerate(units):
+        for part in entry if isinstance(entry, (list, tuple)) else [entry]:
+            if not isinstance(part, (keras.layers.Layer, keras.Variable)):
+                raise ValueError(f"{form}; unit {number} holds a {type(part).__name__}")
+
+
+def unit_keys(units, variables: list) -> list | None:
+    """The declared FSDP unit of each of `variables` (None: in none) from `ShardedOptimizer`'s `units` argument — a
+    list entry's position, or the name a function gives — or None where no units were given.
+
+    Raises:
+        ValueError: a weight in two list entries, or an entry holding none of `variables` (an unbuilt layer, another
+            model's): each named.
+    """
+    if units is None:
+        return None
+    if callable(units):
+        return [units(variable) for variable in variables]
+    positions = {id(variable): index for index, variable in enumerate(variables)}
+    keys = [None] * len(variables)
+    for number, entry in enumerate(units):
+        parts = entry if isinstance(entry, (list, tuple)) else [entry]
+        held = {id(variable) for part in parts
+                for variable in (part.trainable_weights if isinstance(part, keras.layers.Layer) else [part])}
+        indices = [positions[key] for key in held if key in positions]
+        if not indices:
+            names = ", ".join(getattr(part, "path", None) or part.name for part in parts)
+            raise ValueError(f"units: unit {number} ({names}) holds none of the weights this optimizer trains "
+                             "(a layer not built yet, or another model's)")
+        for index in indices:
+            if keys[index] is not None:
+                raise ValueError(f"units: {variables[index].path} is in unit {keys[index]} and in unit {number}; "
+                                 "a weight belongs to one unit")
+            keys[index] = number
+    return keys
+
+
 @keras.saving.register_keras_serializable(package="tfmp")
 class ZeroOneOptimizer(ShardedOptimizer):
     """`ShardedOptimizer` (stage zero1 by default), by the name it had before zero2: optimizers saved under it load."""
@@ -469,6 +525,7 @@ class _Untracked:
         self.receiving_owned = 0  # > 0 while a step applies gradients reduced already (`receiving_owned`)
         self.index_of: dict = {}  # id of each trainable variable -> its position, from build
         self.decays: list | None = None  # zero3: whether each variable takes weight decay, decided before sharding
+        self.units = None  # zero3: the FSDP units the user declared (`unit_keys`)
 
 
 def _write_all(strategy, variables, values):

@@ -7,22 +7,16 @@ flat chunks, one per-replica `ON_READ` variable). The whole mirrored copy is rel
 reads, writes and checkpoints; `tfmp.keras_internals.shard_variable` routes the Keras variable's own methods to it.
 
 Where a layer reads the weight inside `strategy.run` (Keras converts `self.kernel` to a tensor in `call`), it is
-gathered with the rest of its unit — FSDP's unit, found from the layer calls in progress (`_unit_call`): the outermost
-one whose sharded weights fit one bucket (32 MiB of float32) — a ViT or ResNet block where the block is one layer (as
-under `--remat`), else each of its layers, a small model whole — in one all-gather (`UnitGather`), in the compute dtype
-where Keras' autocast would cast the weight anyway (bf16/fp16 copies: half the bytes moved; float32 islands in a
-gather of their own). A weight read outside any such call is gathered alone. One collective per unit instead of one
-per weight: between processes each collective and each traced gradient costs time (BUILD_NOTES). Nothing keeps the
-gathered copies but the ops that need them: released after their last use — in the backward pass when that pass
-needs them (a matmul's input gradient does) — and under `--remat` the recomputed forward gathers again instead of
-keeping them. When: a gather's only inputs are chunks, so left alone TensorFlow's executor issues a step's gathers as
-it starts. Where a tape keeps the copies for a backward pass, that is left so (the gathers overlap the forward pass);
-where none does — inference, a momentum target's forward pass, `--remat`'s blocks — each unit's gather waits for the
-unit before (`_gather_waits`), and a replica holds about two units' copies at a time (one computing, the next). The
-gradient is the reduce-scatter ZeRO needs: each replica receives the sum over replicas of its chunk's gradient (a
-float32 all-reduce of which each replica keeps its chunk off GPUs; NCCL's reduce-scatter where
-`collectives.choose_gradient_reduction` finds GPUs), so `tape.gradient(loss, model.trainable_weights)` returns chunks,
-and `ShardedOptimizer(stage="zero3")` updates each replica's chunks in place, with no collective.
+gathered with the rest of its FSDP unit in one all-gather, in the compute dtype where Keras' autocast would cast it
+anyway (bf16/fp16 copies: half the bytes moved) — `tfmp.sharding.units`: which weights form a unit (a block, a layer,
+or the units the optimizer was given) and when their gather runs. Nothing keeps the gathered copies but the ops that
+need them: released after their last use — in the backward pass when that pass needs them (a matmul's input gradient
+does) — and under `--remat` the recomputed forward gathers again instead of keeping them; where no tape keeps them,
+a replica holds about two units' copies at a time (one computing, the next). The gradient is the reduce-scatter ZeRO
+needs: each replica receives the sum over replicas of its chunk's gradient (a float32 all-reduce of which each replica
+keeps its chunk off GPUs; NCCL's reduce-scatter where `collectives.choose_gradient_reduction` finds GPUs), so
+`tape.gradient(loss, model.trainable_weights)` returns chunks, and `ShardedOptimizer(stage="zero3")` updates each
+replica's chunks in place, with no collective.
 
 Outside a replica context (eager reads: `get_weights`, `numpy()`, export, evaluation callbacks) a weight reads whole:
 the local replicas' chunks concatenated on one machine, across workers one all-gather for a group of weights
@@ -56,18 +50,18 @@ variables not in float32 (integer counters), and anything on one replica (nothin
 from __future__ import annotations
 
 import contextlib
-import weakref
+import itertools
 
 import numpy as np
 import tensorflow as tf
 
 from tfmp import keras_internals
-from tfmp.models import remat
-from tfmp.sharding import collectives
+from tfmp.sharding import collectives, units
 from tfmp.sharding.layout import Layout
 
 
 _READING_OWN_SLICES = False
+_TARGETS = itertools.count()  # each `follow` call's target: its weights' units are twins of their leaders'
 
 
 @contextlib.contextmanager
@@ -121,8 +115,9 @@ class Chunks:
     """How one sharded weight is read, written and checkpointed: its place in the layout, the strategy and the
     reduction it was sharded under (`tfmp.keras_internals.shard_variable` hands the variable's reads and writes here)."""
 
-    def __init__(self, variable, layout: Layout, index: int, strategy, reduction, replica_ids: list[int]):
+    def __init__(self, variable, layout: Layout, index: int, strategy, reduction, replica_ids: list[int], unit_key=None):
         self.variable, self.layout, self.index = variable, layout, index
+        self.unit_key = unit_key  # the declared FSDP unit it is gathered with (`tfmp.sharding.units`), None: by size
         self.strategy, self.reduction, self.replica_ids = strategy, reduction, replica_ids
         self.shape = tuple(variable.shape)
         self.size, self.chunk = layout.sizes[index], layout.chunks[index]
@@ -161,33 +156,12 @@ class Chunks:
 
     def read(self, autocast):
         """The whole weight where a layer reads it: inside `strategy.run`, gathered from every replica's chunk in the
-        dtype the reading layer's `autocast` gives it (the compute dtype's bytes move) — with the rest of its unit's
-        weights where a unit's call is in progress (`_unit_call`), else alone; outside, `whole()`."""
+        dtype the reading layer's `autocast` gives it, with the rest of its unit (`tfmp.sharding.units`); outside,
+        `whole()`."""
         if not self.in_replica_context():  # cross-replica or the default context: eager reads
             return self.whole()
         del autocast  # the dtype it casts to is the variable's dtype inside the reading layer's autocast scope:
-        dtype = tf.as_dtype(self.variable.dtype)  # read so, as no op may be made before `_gather_waits` runs
-        unit = _unit_call(self)
-        if unit is None:
-            return UnitGather([self], dtype).whole(self)
-        scope, members = unit
-        # A copy gathered where no tape recorded has no gradient path for a recording tape (and back): kept by state.
-        recording = keras_internals.tape_recording()
-        gathers = _UNIT_GATHERS.setdefault(scope, {})
-        gather = gathers.get((dtype, recording))
-        if gather is None:
-            group = [chunks for chunks, read_as in members.values() if read_as == dtype]
-            if not any(chunks is self for chunks in group):  # its layer reads it against its policy: gathered alone
-                return UnitGather([self], dtype).whole(self)
-            gather = gathers[dtype, recording] = UnitGather(group, dtype)
-        elif self in gather:
-            # This read of the chunk tells TensorFlow the weight is used here: where it sits inside a function with
-            # its own gradient (`tf.recompute_grad`'s first pass, a user's `tf.custom_gradient`), that function's
-            # gradient then covers the weight, although its copy was gathered before, in another such function.
-            tf.convert_to_tensor(self.storage)
-        if self not in gather:  # its layer reads it in another dtype than its policy says: gathered alone
-            return UnitGather([self], dtype).whole(self)
-        return gather.whole(self)
+        return units.gathered(self, tf.as_dtype(self.variable.dtype))  # read so: no op before the gather's waits
 
     def whole(self) -> tf.Tensor:
         """The whole weight in float32, outside a replica context (`whole_weights`)."""
@@ -266,122 +240,6 @@ class Chunks:
             chunk.assign(tf.pad(values, [[0, missing]]) if missing else values)
 
 
-class UnitGather:
-    """One all-gather of several sharded weights' chunks, cast to `dtype` first (FSDP's unit: one collective for a
-    block's weights instead of one per weight — on 2 workers ViT-B/16's 196 per-weight gathers took ~1.05 s a step,
-    in 17 groups ~0.55 s), traced where the first of them is read; `whole(chunks)` hands each weight its part.
-
-    The gradient is one reduction for the unit's weights: each replica receives the sum over replicas of its chunks'
-    gradients (`collectives`), so `tape.gradient` returns chunks. A member its layers never read in this call gets
-    no gradient (None, as an unused weight gets unsharded), not the zeros TensorFlow passes for an unused output; one
-    read but not connected to the loss gets zeros where unsharded it gets None (not told apart here). Made inside
-    `strategy.run` only."""
-
-    def __init__(self, members: list[Chunks], dtype):
-        self.members, self.dtype, self.read = members, tf.as_dtype(dtype), set()
-        self.position = {id(chunks): index for index, chunks in enumerate(members)}
-        # The waits first: they are found from the newest op on the device, which must be the model's, not a read here.
-        waits = _gather_waits(members[0].storage.device, kept=keras_internals.tape_recording())
-        owns = [tf.convert_to_tensor(chunks.storage) for chunks in members]
-        with tf.control_dependencies(waits):
-            self.wholes = self._gather(tf.distribute.get_replica_context())(*owns)
-
-    def __contains__(self, chunks) -> bool:
-        return id(chunks) in self.position
-
-    def whole(self, chunks) -> tf.Tensor:
-        index = self.position[id(chunks)]
-        self.read.add(index)
-        return self.wholes[index]
-
-    def _gather(self, context):
-        members, dtype, read = self.members, self.dtype, self.read
-        replicas, device, reduction = members[0].layout.replicas, members[0].storage.device, members[0].reduction
-
-        @tf.custom_gradient
-        def gather(*owns):
-            low = [tf.cast(own, dtype) for own in owns]
-            low = _placed(tf.concat(low, axis=0) if len(low) > 1 else low[0], device)
-            if dtype == tf.bfloat16:  # TensorFlow's CPU collective gather has no bf16 kernel: the same 16 bits move
-                gathered = tf.bitcast(context.all_gather(tf.bitcast(low, tf.float16), axis=0), tf.bfloat16)
-            else:
-                gathered = context.all_gather(low, axis=0)  # replica r's chunks of every member, in replica order
-            wholes = _wholes_from_gathered(gathered, members)
-
-            def gradient(*upstreams):
-                present = [index for index in sorted(read) if upstreams[index] is not None]
-                gradients = [None] * len(members)
-                if not present:
-                    return gradients
-                parts = []
-                for index in present:
-                    chunks = members[index]
-                    flat = tf.reshape(tf.cast(upstreams[index], tf.float32), [-1])
-                    parts.append(tf.reshape(tf.pad(flat, [[0, replicas * chunks.chunk - chunks.size]]),
-                                            [replicas, chunks.chunk]))
-                packed = tf.concat(parts, axis=1) if len(parts) > 1 else parts[0]  # row r: what replica r keeps
-                order = reduction.rank_order(context)
-                packed = _placed(tf.reshape(packed if order is None else tf.gather(packed, order), [-1]), device)
-                own = reduction.own_chunk(context, packed, replicas)
-                pieces = tf.split(own, [members[index].chunk for index in present]) if len(present) > 1 else [own]
-                for index, piece in zip(present, pieces):
-                    gradients[index] = piece
-                return gradients
-
-            return wholes, gradient
-
-        return gather
-
-
-# Per traced graph, each layer's unit members (`_unit_members`); per layer call in progress (its Keras name scope), the
-# unit gathers made in it, by dtype. Weak keys: a graph, a layer or a call gone takes its entries with it.
-_UNIT_MEMBERS: "weakref.WeakKeyDictionary[tf.Graph, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
-_UNIT_GATHERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _unit_call(chunks: Chunks):
-    """`(scope, members)` of the outermost layer call in progress whose sharded weights include `chunks`' weight and
-    take at most one bucket of float32 (`Layout.bucket_bytes`, 32 MiB) — FSDP's unit chosen by size, from the calls
-    themselves: a ViT-B/16 or ResNet block where it is one layer (a `--remat` block, a user's sub-model), else each
-    layer of it; the model around them is too large. None where no layer call holds the weight (a read from a user's
-    own train step)."""
-    known = _UNIT_MEMBERS.setdefault(tf.compat.v1.get_default_graph(), weakref.WeakKeyDictionary())
-    for scope, layer in keras_internals.layer_calls():
-        if layer not in known:
-            known[layer] = _unit_members(layer, chunks.layout.bucket_bytes)
-        if id(chunks) in known[layer]:
-            return scope, known[layer]
-    return None
-
-
-def _unit_members(layer, limit: int) -> dict:
-    """`{id(chunks): (chunks, dtype read)}` for the sharded weights under `layer`, each with the dtype its own layer's
-    policy reads it in (the compute dtype where that layer autocasts it, else float32) — empty when they exceed
-    `limit` bytes of float32."""
-    members = {}
-    for owner, variable in keras_internals.weights_by_owner(layer):
-        if not is_sharded(variable) or id(variable.sharded) in members:
-            continue
-        compute = tf.as_dtype(owner.compute_dtype)
-        casts = owner.autocast and keras_internals.variable_autocasts(variable) and compute.is_floating
-        members[id(variable.sharded)] = (variable.sharded, compute if casts else tf.float32)
-    if sum(chunks.size for chunks, _ in members.values()) * 4 > limit:
-        return {}
-    return members
-
-
-def _wholes_from_gathered(gathered, members: list[Chunks]) -> list[tf.Tensor]:
-    """Each member's whole value from an all-gather of every replica's chunks of `members` laid end to end (row r of
-    `[replicas, sum of chunks]`: replica r's chunks, in member order)."""
-    if len(members) == 1:
-        return [tf.reshape(gathered[:members[0].size], members[0].shape)]
-    rows, wholes, start = tf.reshape(gathered, [members[0].layout.replicas, -1]), [], 0
-    for chunks in members:
-        wholes.append(tf.reshape(tf.reshape(rows[:, start:start + chunks.chunk], [-1])[:chunks.size], chunks.shape))
-        start += chunks.chunk
-    return wholes
-
-
 def whole_weights(members: list[Chunks]) -> list[tf.Tensor]:
     """The whole float32 values of sharded weights, outside a replica context: on one machine each weight's local
     chunks concatenated; across workers one all-gather of all their chunks (every worker must call it with the same
@@ -399,8 +257,8 @@ def whole_weights(members: list[Chunks]) -> list[tf.Tensor]:
             own = [tf.convert_to_tensor(chunks.storage) for chunks in members]
             device = members[0].storage.device
             gathered = tf.distribute.get_replica_context().all_gather(
-                _placed(tf.concat(own, axis=0) if len(own) > 1 else own[0], device), axis=0)
-            return _wholes_from_gathered(gathered, members)
+                units.placed(tf.concat(own, axis=0) if len(own) > 1 else own[0], device), axis=0)
+            return units.wholes_from_gathered(gathered, members)
 
         gather = members[0].whole_gathers[key] = tf.function(lambda: strategy.run(gather_in_replica))
     return [members[0].strategy.experimental_local_results(whole)[0] for whole in gather()]
@@ -439,45 +297,6 @@ def stream_to_chief(variables: list, layout: Layout, prefix) -> list:
     return prefixes
 
 
-# Per traced graph and device: (the name of the replica's newest op when a weight was last read there, the
-# recomputation then). Names, not ops: an op refers to its graph, which would keep every traced graph alive as a key.
-_PREVIOUS_READS: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
-
-
-def _gather_waits(device: str, kept: bool) -> list:
-    """The ops a gather traced now on `device` must wait for, so that its copies are made shortly before their unit
-    runs where nothing keeps them for a backward pass.
-
-    A gather's only input is the replica's chunk, which exists when the step starts, so TensorFlow's executor would
-    issue every gather of a step at once and hold every gathered copy together. Where a backward pass keeps the copy
-    anyway (`kept`: a tape records it) that costs nothing and lets the gathers overlap the forward pass; there no
-    wait. Elsewhere each gather waits for the replica's newest op when the previous gather was made: about one unit
-    of prefetch, as FSDP's. That is inference, a momentum target's forward pass, and `--remat`'s blocks — their
-    first forward pass runs unrecorded, and a block's recomputation (`remat.current_recomputation()`) gathers after
-    the backward pass reached it (its first gather waits for the newest op then, which follows the block's incoming
-    gradient; `tf.recompute_grad` orders only the block's inputs after it, not its weight reads). Ops created earlier
-    cannot depend on the gather, so no wait deadlocks; each replica waits for its own ops only."""
-    if tf.executing_eagerly():
-        return []
-    graph = tf.compat.v1.get_default_graph()
-    newest = next((op for op in reversed(graph.get_operations()) if op.device == device), None)
-    recomputation = remat.current_recomputation()
-    reads = _PREVIOUS_READS.setdefault(graph, {})
-    previous, reads[device] = reads.get(device), (None if newest is None else newest.name, recomputation)
-    if recomputation is not None and (previous is None or previous[1] is not recomputation):
-        return [newest] if newest is not None else []
-    if kept and recomputation is None:
-        return []
-    return [graph.get_operation_by_name(previous[0])] if previous is not None and previous[0] is not None else []
-
-
-def _placed(tensor, device) -> tf.Tensor:
-    """`tensor` on `device`: a multi-worker collective finds where it runs from its input's device, which a tensor
-    read in a traced replica function may lack."""
-    with tf.device(device):
-        return tf.identity(tensor)
-
-
 def is_sharded(variable) -> bool:
     return getattr(variable, "sharded_storage", False)
 
@@ -487,16 +306,19 @@ def shardable(variable) -> bool:
     return bool(variable.trainable) and tf.dtypes.as_dtype(variable.dtype) == tf.float32
 
 
-def shard_weights(variables: list, layout: Layout, strategy, reduction, replica_ids: list[int]) -> None:
+def shard_weights(variables: list, layout: Layout, strategy, reduction, replica_ids: list[int],
+                  unit_keys: list | None = None) -> None:
     """Replaces each shardable variable's whole mirrored storage with per-replica chunks, in place (see the module
     docstring), and so its followers' (`follow`). `layout` is over all `variables` (their logical sizes); `replica_ids`
-    are this process's replicas' global ids, in `experimental_local_results` order."""
+    are this process's replicas' global ids, in `experimental_local_results` order; `unit_keys`, beside `variables`,
+    the declared FSDP unit of each (`tfmp.sharding.units`; None: chosen by size)."""
     for index, variable in enumerate(variables):
         if is_sharded(variable) or not shardable(variable):
             continue
-        chunks = _shard(variable, Chunks(variable, layout, index, strategy, reduction, replica_ids))
-        for follower in getattr(variable, "sharded_followers", ()):
-            _shard_as(follower, chunks)
+        unit_key = unit_keys[index] if unit_keys else None
+        chunks = _shard(variable, Chunks(variable, layout, index, strategy, reduction, replica_ids, unit_key))
+        for follower, target in getattr(variable, "sharded_followers", ()):
+            _shard_as(follower, chunks, target)
 
 
 def follow(followers: list, leaders: list) -> None:
@@ -509,11 +331,12 @@ def follow(followers: list, leaders: list) -> None:
     if len(followers) != len(leaders) or mismatched:
         raise ValueError(f"the target weights do not match the weights they follow ({len(followers)} vs {len(leaders)} "
                          f"weights{', first mismatch ' + mismatched[0] if mismatched else ''})")
+    target = next(_TARGETS)
     for follower, leader in zip(followers, leaders):
         if is_sharded(leader):
-            _shard_as(follower, leader.sharded)
+            _shard_as(follower, leader.sharded, target)
         else:
-            leader.sharded_followers = [*getattr(leader, "sharded_followers", ()), follower]
+            leader.sharded_followers = [*getattr(leader, "sharded_followers", ()), (follower, target)]
 
 
 def average_chunks(follower, leader, momentum: tf.Tensor) -> None:
@@ -529,15 +352,17 @@ def average_chunks(follower, leader, momentum: tf.Tensor) -> None:
         target.assign(momentum * tf.convert_to_tensor(target) + (1.0 - momentum) * tf.convert_to_tensor(online))
 
 
-def _shard_as(follower, chunks: Chunks) -> None:
-    """`follower` sharded in the layout of the weight `chunks` describes (`follow`)."""
+def _shard_as(follower, chunks: Chunks, target: int) -> None:
+    """`follower` sharded in the layout of the weight `chunks` describes (`follow`), in the twin of its declared unit
+    for the target `target`."""
     if is_sharded(follower):
         return
     if tf.dtypes.as_dtype(follower.dtype) != tf.float32:
         raise ValueError(f"sharding=zero3 shards float32 weights; {follower.path} follows a sharded weight but is "
                          f"{tf.dtypes.as_dtype(follower.dtype).name}")
+    unit_key = None if chunks.unit_key is None else ("target", target, chunks.unit_key)
     chunks.followers.append(_shard(follower, Chunks(follower, chunks.layout, chunks.index, chunks.strategy,
-                                                    chunks.reduction, chunks.replica_ids)))
+                                                    chunks.reduction, chunks.replica_ids, unit_key)))
 
 
 def _shard(variable, chunks: Chunks) -> Chunks:
