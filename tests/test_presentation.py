@@ -188,3 +188,24 @@ def test_the_library_path_logs_its_choices_once(setup):
         assert mine == ["tfmp: precision: float32 (explicit choice)", "tfmp: strategy: off (auto: one CPU device), 1 replica"]
     else:  # the user's handler gets them, in the user's format, once
         assert len(mine) == 2 and all(line.startswith("USER tfmp.") for line in mine)
+
+
+def test_the_retracing_warning_is_dropped_for_functions_made_once_per_model_or_bucket_only():
+    """Keras' per-model steps and zero3's per-bucket gathers are each traced once, but TensorFlow counts their traces
+    together (one closure, one code object) and warns; any other function's retracing warning stays."""
+    import logging
+
+    from tfmp import logs
+
+    logs.configure()
+    tensorflow_logger = logging.getLogger("tensorflow")
+
+    def kept(function: str) -> bool:
+        message = (f"5 out of the last 5 calls to <function {function} at 0x7f0> triggered tf.function retracing. "
+                   "Tracing is expensive")
+        return bool(tensorflow_logger.filter(logging.LogRecord("tensorflow", logging.WARNING, __file__, 1, message, None, None)))
+
+    assert not kept("whole_weights.<locals>.<lambda>")
+    assert not kept("_save_through_the_chief.<locals>.<lambda>")
+    assert not kept("TensorFlowTrainer._make_function.<locals>.one_step_on_data")
+    assert kept("my_train_step") and kept("whole_weights_of_mine")

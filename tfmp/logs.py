@@ -96,17 +96,24 @@ def _warning_as_log_line(message, category, filename, lineno, file=None, line=No
     logging.getLogger(LOGGER_NAME).warning("%s", message)
 
 
+# Closures that make one tf.function per model or per group of weights, each traced once (`_KerasStepTracingFilter`).
+_ONE_FUNCTION_EACH = ("TensorFlowTrainer._make_function.<locals>",  # Keras: each model's train/test/predict step
+                      "whole_weights.<locals>",  # tfmp.sharding.weights: one all-gather per bucket of zero3 weights
+                      "_save_through_the_chief.<locals>")  # tfmp.sharding.checkpoint_state: one per bucket of state
+
+
 class _KerasStepTracingFilter(logging.Filter):
     """Drops TensorFlow's "N out of the last M calls to <function TensorFlowTrainer._make_function.<locals>...>
     triggered tf.function retracing" warning. TensorFlow counts traces per Python code object, and Keras makes every
     model's train, test and predict function from one closure: the first trace of each new model's function (the
-    SSL run's probes and baseline draws, each a model of its own) counts as a "retrace" of one function. Retraces of
-    one function are what costs time; tfmp's own were found and removed, and tests/test_presentation.py checks that
-    no function tfmp runs is traced twice. Every other retracing warning is kept."""
+    SSL run's probes and baseline draws, each a model of its own) counts as a "retrace" of one function — as does the
+    first trace of each bucket's gather in a multi-worker zero3 save (`_ONE_FUNCTION_EACH`). Retraces of one function
+    are what costs time; tfmp's own were found and removed, and tests/test_presentation.py checks that no function
+    tfmp runs is traced twice. Every other retracing warning is kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not ("triggered tf.function retracing" in message and "TensorFlowTrainer._make_function.<locals>" in message)
+        return not ("triggered tf.function retracing" in message and any(name in message for name in _ONE_FUNCTION_EACH))
 
 
 def configure(verbose: bool = False) -> None:

@@ -8,7 +8,8 @@ Builds `--model`'s classifier under MirroredStrategy with Keras' AdamW (`--shard
 `ShardedOptimizer(AdamW, stage=...)`, then measures the TensorFlow allocator's peak above the start of each call
 (medians of `--calls` calls after a warm-up). Logical CPU devices share one allocator: the figures are both replicas'
 together. With `--no_waits` (zero3) every gather is issued when the call starts, as before the gathers waited for the
-unit before (`tfmp.sharding.weights._gather_waits`). Needs TensorFlow's allocator statistics on the CPU (oneDNN on:
+unit before (`tfmp.sharding.units.gather_waits`). zero3's units are the encoder's blocks (`--units=blocks`, as tfmp's
+CLI declares them) or chosen by size (`--units=size`: the outermost layer call that fits a bucket). Needs TensorFlow's allocator statistics on the CPU (oneDNN on:
 `tfmp.tf_environment` turns it on). Prints one JSON line.
 """
 
@@ -26,7 +27,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfmp import distribute, models, sharding  # noqa: E402
 from tfmp.diagnostics import memory  # noqa: E402
-from tfmp.sharding import weights  # noqa: E402
+from tfmp.sharding import units  # noqa: E402
 
 
 def peak_mib(function, batch, calls: int) -> float:
@@ -43,9 +44,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--sharding", default="zero3", choices=["none", "zero1", "zero2", "zero3"])
     parser.add_argument("--no_waits", action="store_true", help="zero3: issue every gather at the call's start (as before)")
+    parser.add_argument("--units", default="blocks", choices=["blocks", "size"],
+                        help="zero3: the encoder's blocks as FSDP units (tfmp.models.block_of), or units chosen by size")
     flags = parser.parse_args()
     if flags.no_waits:
-        weights._gather_waits = lambda device, kept: []
+        units.gather_waits = lambda device, kept: []
     distribute.split_cpu(2)
     strategy = distribute.get_strategy("mirrored")
     keras.utils.set_random_seed(0)
@@ -53,7 +56,9 @@ def main() -> None:
     with strategy.scope():
         model = models.build_classifier(models.build_encoder(flags.model, shape, remat=flags.remat), 10)
         adamw = keras.optimizers.AdamW(1e-4)
-        model.optimizer = adamw if flags.sharding == "none" else sharding.ShardedOptimizer(adamw, stage=flags.sharding)
+        declared = models.block_of if flags.sharding == "zero3" and flags.units == "blocks" else None
+        model.optimizer = adamw if flags.sharding == "none" else sharding.ShardedOptimizer(adamw, stage=flags.sharding,
+                                                                                            units=declared)
         model.optimizer.build(model.trainable_variables)
     batch = strategy.experimental_distribute_values_from_function(
         lambda context: tf.random.stateless_normal((flags.batch, *shape), seed=[context.replica_id_in_sync_group, 0]))
@@ -71,7 +76,7 @@ def main() -> None:
 
     run = lambda step: tf.function(lambda images: strategy.run(step, args=(images,)))
     result = {"model": flags.model, "image_size": flags.image_size, "batch_per_replica": flags.batch,
-              "remat": flags.remat, "sharding": flags.sharding, "waits": not flags.no_waits,
+              "remat": flags.remat, "sharding": flags.sharding, "waits": not flags.no_waits, "units": flags.units,
               "inference_mib": peak_mib(run(lambda images: tf.reduce_sum(model(images, training=False))), batch, flags.calls),
               "forward_backward_mib": peak_mib(run(summed_gradients), batch, flags.calls),
               "train_step_mib": peak_mib(run(train_step), batch, flags.calls)}
