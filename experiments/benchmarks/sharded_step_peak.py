@@ -9,8 +9,8 @@ Builds `--model`'s classifier under MirroredStrategy with Keras' AdamW (`--shard
 (medians of `--calls` calls after a warm-up). Logical CPU devices share one allocator: the figures are both replicas'
 together. With `--no_waits` (zero3) every gather is issued when the call starts, as before the gathers waited for the
 unit before (`tfmp.sharding.units.gather_waits`). zero3's units are the encoder's blocks (`--units=blocks`, as tfmp's
-CLI declares them) or chosen by size (`--units=size`: the outermost layer call that fits a bucket). Needs TensorFlow's allocator statistics on the CPU (oneDNN on:
-`tfmp.tf_environment` turns it on). Prints one JSON line.
+CLI declares them) or chosen by size (`--units=size`: the outermost layer call that fits a bucket). Needs
+TensorFlow's allocator statistics on the CPU (oneDNN on: `tfmp.tf_environment` turns it on). Prints one JSON line.
 """
 
 from __future__ import annotations
