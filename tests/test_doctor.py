@@ -76,6 +76,9 @@ def test_float32_layers_flag_trains(tmp_path):
      ["mae_decoder_pixels", "mae_decoder_block0_mlp_hidden", "block3_mlp_output", "patch_embedding"]),
     ("dino", ["--prototypes=64", "--local_crops=2", "--projection_dim=16"],
      ["dino_head/dino_head_prototypes", "dino_head/dino_head_bottleneck", "block3_mlp_output", "patch_embedding"]),
+    # the teacher follows the student's sharded weights; the crops split over the replicas
+    ("dino", ["--prototypes=64", "--local_crops=2", "--projection_dim=16", "--sharding=zero3", "--strategy=mirrored"],
+     ["dino_head/dino_head_prototypes", "dino_head/dino_head_bottleneck", "block3_mlp_output", "patch_embedding"]),
 ])
 def test_doctor_measures_an_ssl_methods_own_step(capsys, task, flags, layers):
     """--task=<SSL method>: the report covers the method's heads or decoder, with gradients, as its step runs them."""
@@ -92,3 +95,47 @@ def test_doctor_measures_an_ssl_methods_own_step(capsys, task, flags, layers):
 def test_doctor_refuses_what_the_method_refuses(capsys):
     assert doctor.main(["tfmp.doctor", "--task=mae", "--model=small_cnn", "--steps=1"]) == 2
     assert "--task=mae needs a ViT encoder" in capsys.readouterr().err
+
+
+def test_the_report_over_two_replicas_with_sharded_weights_is_the_one_device_report():
+    """A ViT classifier whose weights are sharded (zero3, blocks as units) on 2 replicas, each batch split over them:
+    the same layers, maxima, out-of-range fractions and loss-scale range as the same model on one device."""
+    import tensorflow as tf
+
+    from tfmp import distribute, sharding
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(16, 8, 8, 1)).astype(np.float32) * 3, rng.integers(0, 10, 16)) for _ in range(2)]
+    reports = {}
+    for where in ("one device", "zero3"):
+        strategy = distribute.get_strategy("mirrored") if where == "zero3" else tf.distribute.get_strategy()
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = models.build_classifier(models.build_encoder("vit_micro_p2", (8, 8, 1)), 10)
+            if where == "zero3":
+                sharding.ShardedOptimizer(keras.optimizers.SGD(), stage="zero3", units=models.block_of).build(
+                    model.trainable_variables)
+        data = tf.data.Dataset.from_tensor_slices(tuple(np.concatenate(part) for part in zip(*batches))).batch(16)
+        reports[where] = precision_report(model, data, steps=2, strategy=strategy)
+    one, sharded = reports["one device"], reports["zero3"]
+    assert [layer.name for layer in sharded.layers] == [layer.name for layer in one.layers]
+    assert len(one.layers) > 40 and any(layer.max_gradient > 0 for layer in one.layers)
+    for expected, got in zip(one.layers, sharded.layers):
+        assert got.max_activation == pytest.approx(expected.max_activation, rel=1e-4), got.name
+        assert got.max_gradient == pytest.approx(expected.max_gradient, rel=1e-4, abs=1e-12), got.name
+        for form in ("float16", "bfloat16"):
+            assert got.overflow[form] == pytest.approx(expected.overflow[form], abs=1e-3), got.name
+            assert got.underflow[form] == pytest.approx(expected.underflow[form], abs=1e-3), got.name
+    assert sharded.typical_small_gradient == pytest.approx(one.typical_small_gradient, rel=1e-3)
+    assert sharded.loss_scale_range() == one.loss_scale_range()
+
+
+def test_doctor_cli_under_zero3_shards_the_weights_over_the_replicas(capsys):
+    assert doctor.main(["tfmp.doctor", "--model=vit_micro_p2", "--sharding=zero3", "--strategy=mirrored",
+                        "--global_batch_size=32", "--steps=1"]) == 0
+    out = capsys.readouterr().out
+    assert ("precision doctor: vit_micro_p2 as a classifier on digits, 1 batch(es) of 32, weights sharded (zero3) "
+            "over 2 replicas, measured in float32") in out
+    assert "block3_mlp_output" in out and "recommendations:" in out
+    assert doctor.main(["tfmp.doctor", "--sharding=zero3", "--strategy=multi_worker_mirrored", "--steps=1"]) == 2
+    assert "runs on one machine's replicas" in capsys.readouterr().err

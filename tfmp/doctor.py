@@ -6,6 +6,12 @@ and backward of its loss, no update), prints the per-layer report of
 `tfmp.diagnostics.precision_report`, and recommends: a precision for this hardware,
 float32 overrides (`--float32_layers`) for layers that would overflow in float16, and a
 loss-scale range. Takes the same flags as `tfmp.train` (unused ones are ignored).
+
+With `--sharding=zero3` (a model whose weights need not fit one device) the model is built under the configured
+strategy (`--strategy`, `--num_cpu_devices`) with its weights sharded as training shards them, and each batch is
+split over the replicas; the report is the same (`tfmp.diagnostics.precision_doctor`). zero1 and zero2 shard what the
+doctor never makes (optimizer state, weight gradients): it runs on one device for them, as unsharded. One machine's
+replicas: under several workers each would report its own replicas only (refused).
 Exit codes: 0 report printed; 2 usage or input error.
 """
 
@@ -78,9 +84,10 @@ def main(argv: list[str]) -> int:
 
     logs.configure(verbose=config.verbose)
     tf_environment.load_tensorflow(verbose=config.verbose)  # its start-up lines kept off the terminal
+    import keras
     import tensorflow as tf
 
-    from tfmp import data as tfmp_data, models, precision, registry
+    from tfmp import data as tfmp_data, distribute, models, precision, registry, sharding
     from tfmp.diagnostics import precision_report
     from tfmp.runtime import Runtime
     from tfmp.tasks import pretrain
@@ -89,23 +96,35 @@ def main(argv: list[str]) -> int:
     try:
         data = tfmp_data.load_for(config)
         precision.set_policy("float32")  # measured in float32: what each low precision would do to these values
-        runtime = Runtime.for_strategy(tf.distribute.get_strategy(), jit_compile="false",
-                                       conv_weight_gradient=config.conv_weight_gradient)
+        strategy = tf.distribute.get_strategy()
+        if config.sharding == "zero3":  # the weights sharded over the replicas, as training holds them
+            if config.strategy == "multi_worker_mirrored":
+                raise ValueError("tfmp.doctor runs on one machine's replicas; --strategy=multi_worker_mirrored would "
+                                 "make each worker report its own replicas only")
+            strategy = distribute.get_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices or None,
+                                               tpu=config.tpu or None)
+        runtime = Runtime.for_strategy(strategy, jit_compile="false", conv_weight_gradient=config.conv_weight_gradient)
         batch = min(config.global_batch_size, len(data.train))
-        if config.task in registry.SSL_METHODS:  # the method's own step: views, heads or decoder, targets, its loss
-            pretrain.check_inputs(config, data)
-            model = pretrain.build_method(config, data, runtime, total_steps=config.epochs * (len(data.train) // batch))
-            what, batch_loss = f"--task={config.task} with {config.model}", model.batch_loss
-        else:
-            model = models.build_classifier(build_encoder(config, runtime, data.image_shape), data.num_classes)
-            what, batch_loss = f"{config.model} as a classifier", None
+        batch -= batch % strategy.num_replicas_in_sync  # an equal share for every replica
+        with strategy.scope():
+            if config.task in registry.SSL_METHODS:  # the method's own step: views, heads or decoder, targets, its loss
+                pretrain.check_inputs(config, data)
+                model = pretrain.build_method(config, data, runtime, total_steps=config.epochs * (len(data.train) // batch))
+                what, batch_loss = f"--task={config.task} with {config.model}", model.batch_loss
+            else:
+                model = models.build_classifier(build_encoder(config, runtime, data.image_shape), data.num_classes)
+                what, batch_loss = f"{config.model} as a classifier", None
+            if strategy.num_replicas_in_sync > 1:  # no update is made: the optimizer only shards the weights
+                sharding.ShardedOptimizer(keras.optimizers.SGD(), stage="zero3", units=models.block_of).build(
+                    model.trainable_variables)
     except ValueError as error:  # a UsageError too
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         return 2
     batches = tfmp_data.classification_pipeline(data.train, batch, training=True, seed=config.seed)
-    report = precision_report(model, batches, steps=steps, batch_loss=batch_loss)
+    report = precision_report(model, batches, steps=steps, batch_loss=batch_loss, strategy=strategy)
     hardware_policy, reason = precision.resolve("auto")
-    print(f"precision doctor: {what} on {data.name}, {steps} batch(es) of {batch}, measured in float32\n")
+    where = f", weights sharded (zero3) over {strategy.num_replicas_in_sync} replicas" if strategy.num_replicas_in_sync > 1 else ""
+    print(f"precision doctor: {what} on {data.name}, {steps} batch(es) of {batch}{where}, measured in float32\n")
     print(report.table())
     print("\nrecommendations:")
     for line in recommendations(report, hardware_policy, reason):

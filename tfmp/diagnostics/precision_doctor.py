@@ -7,19 +7,26 @@ overflow (above the format's largest finite value) or be flushed to zero (non-ze
 but below its smallest subnormal) in float16 and in bfloat16. Activations and their
 gradients are what a mixed policy computes in the low precision; weights stay float32.
 
-Layer outputs are captured with `layer_outputs.captured_outputs`, so nested models
+Layer outputs are captured as each leaf layer's call returns (`layer_outputs.observed_calls`), so nested models
 (an encoder inside a classifier) are seen layer by layer.
+
+Given a strategy with several replicas, each batch is split over them (`strategy.run`, eagerly: a thread per
+replica, each capturing its own layers' outputs): what `tfmp.doctor --sharding=zero3` does, where no replica holds
+the weights whole. Each replica's loss is divided by the number of replicas (Keras' convention), so the gradients
+are those of the global batch's mean loss and the statistics those of the global batch — up to BatchNorm's
+statistics, which are per replica unless synchronised.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp.diagnostics.layer_outputs import captured_outputs
+from tfmp.diagnostics.layer_outputs import display_names, leaf_layers, observed_calls
 
 # Largest finite value and smallest positive subnormal of each format.
 FORMATS = {
@@ -103,42 +110,80 @@ class _Accumulator:
             self.counts[name]["flush"] += int(np.count_nonzero((magnitude > 0) & (magnitude < smallest)))
 
 
-def precision_report(model: keras.Model, data, steps: int = 2, loss_fn=None, batch_loss=None) -> PrecisionReport:
+def _mean_cross_entropy(targets, logits):
+    return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True))
+
+
+def precision_report(model: keras.Model, data, steps: int = 2, loss_fn=None, batch_loss=None,
+                     strategy: tf.distribute.Strategy | None = None) -> PrecisionReport:
     """Runs `steps` batches of `data` through `model` in float32 and reports per layer.
 
     Args:
         model: a Keras model built under the float32 policy (what the report measures
             is what float16/bfloat16 *would* do with these values).
-        data: an iterable of `(inputs, targets)` batches (e.g. a `tf.data.Dataset`).
+        data: an iterable of `(inputs, targets)` batches (e.g. a `tf.data.Dataset`; with `strategy`, one it can
+            distribute, or already distributed).
         steps: batches to run.
-        loss_fn: loss(targets, outputs); sparse categorical cross-entropy on logits by default.
+        loss_fn: loss(targets, outputs), the mean over the batch given; sparse categorical cross-entropy on logits by
+            default. With several replicas a function, not a `keras.losses.Loss` object: Keras' losses divide
+            themselves by the number of replicas inside `strategy.run` (where reduced to a mean), which the report
+            does itself.
         batch_loss: instead of calling `model` and `loss_fn`, the loss of a batch's inputs computed by running `model`
             as its training step does (an SSL method's `batch_loss`: its views, heads, decoder, targets).
+        strategy: the strategy `model` was built under; with several replicas each batch is split over them (see
+            the module docstring). None: the strategy in scope.
 
     Returns:
         A `PrecisionReport`.
     """
-    loss_fn = loss_fn or keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    strategy = strategy or tf.distribute.get_strategy()
+    replicas = strategy.num_replicas_in_sync
+    if replicas > 1 and isinstance(loss_fn, keras.losses.Loss):
+        raise ValueError("precision_report on several replicas takes loss_fn as a function (e.g. lambda targets, "
+                         "outputs: keras.ops.mean(keras.losses.sparse_categorical_crossentropy(targets, outputs)))"
+                         f", not a {type(loss_fn).__name__} object: those divide themselves by the replicas")
+    loss_fn = loss_fn or _mean_cross_entropy
+    if replicas > 1 and isinstance(data, tf.data.Dataset):
+        data = strategy.experimental_distribute_dataset(data)
     accumulators: dict[str, _Accumulator] = {}
     all_gradients = []
-    with captured_outputs(model) as captured:
-        for step, (inputs, targets) in enumerate(data):
-            if step >= steps:
-                break
-            captured.clear()
-            with tf.GradientTape() as tape:
-                loss = batch_loss(inputs) if batch_loss else loss_fn(targets, model(inputs, training=True))
-            gradients = tape.gradient(loss, [tensor for _, tensor in captured])
-            for (name, activation), gradient in zip(captured, gradients):
+    layers = leaf_layers(model)
+    names = display_names(layers)
+    captured_by_thread: dict[int, list] = {}  # each replica runs in a thread of its own
+    lock = threading.Lock()
+
+    def capture(layer, args, output):
+        if isinstance(output, tf.Tensor) and output.dtype.is_floating:
+            captured_by_thread.setdefault(threading.get_ident(), []).append((names[layer], output))
+
+    def measured_step(inputs, targets):
+        captured = captured_by_thread.setdefault(threading.get_ident(), [])
+        captured.clear()
+        with tf.GradientTape() as tape:
+            loss = batch_loss(inputs) if batch_loss else loss_fn(targets, model(inputs, training=True))
+            loss = loss / replicas  # the gradients of the global batch's mean loss, on every replica
+        gradients = tape.gradient(loss, [tensor for _, tensor in captured])
+        measured = [(name, activation.numpy(), None if gradient is None else gradient.numpy())
+                    for (name, activation), gradient in zip(captured, gradients)]
+        captured.clear()
+        with lock:
+            for name, activation, gradient in measured:
                 accumulator = accumulators.setdefault(name, _Accumulator())
-                accumulator.add(activation.numpy(), is_gradient=False)
+                accumulator.add(activation, is_gradient=False)
                 if gradient is not None:
-                    gradient_values = gradient.numpy()
-                    accumulator.add(gradient_values, is_gradient=True)
-                    nonzero = np.abs(gradient_values[gradient_values != 0])
+                    accumulator.add(gradient, is_gradient=True)
+                    nonzero = np.abs(gradient[gradient != 0])
                     if nonzero.size:
                         all_gradients.append(nonzero.astype(np.float64))
 
+    with observed_calls(layers, capture):
+        for step, (inputs, targets) in enumerate(data):
+            if step >= steps:
+                break
+            if replicas > 1:
+                strategy.run(measured_step, args=(inputs, targets))
+            else:
+                measured_step(inputs, targets)
     layers = [LayerStats(name, a.max_activation, a.max_gradient,
                          overflow={f: a.counts[f]["over"] / max(a.total, 1) for f in FORMATS},
                          underflow={f: a.counts[f]["flush"] / max(a.total, 1) for f in FORMATS})
