@@ -751,3 +751,40 @@ def test_a_trainable_weight_zero3_cannot_shard_is_refused_in_one_line():
         optimizer = sharding.ShardedOptimizer(keras.optimizers.SGD(0.1), stage="zero3")
     with pytest.raises(ValueError, match=r"^sharding=zero3 shards trainable float32 weights; not: half"):
         optimizer.build([half])
+
+
+def _xla_fitted_per_stage(strategy, stage: str) -> dict:
+    """A ViT classifier compiled with `jit_compile=True` under `strategy`, unsharded and under `stage` (AdamW), each
+    fitted one epoch of 64 images the same way."""
+    images, labels = _data()
+    fitted = {}
+    for name in ("none", stage):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = models.build_classifier(models.build_encoder("vit_micro_p2", images.shape[1:]), 10)
+            model.compile(optimizer=_sharded(keras.optimizers.AdamW(1e-3), name), jit_compile=True,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(images, labels, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        fitted[name] = model
+    return fitted
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_on_two_gpus_each_stage_compiled_by_xla_ends_where_the_unsharded_run_does(stage):
+    """XLA where MirroredStrategy compiles each replica's step (all-GPU devices only: on CPU devices it lifts every
+    replica into one computation, which cannot read per-replica variables — BUILD_NOTES). Not run where tfmp is built:
+    no GPU there."""
+    gpus = tf.config.list_logical_devices("GPU")
+    if len(gpus) < 2:
+        pytest.skip("needs 2 GPUs")
+    fitted = _xla_fitted_per_stage(tf.distribute.MirroredStrategy([gpu.name for gpu in gpus[:2]]), stage)
+    _assert_close(fitted["none"], fitted[stage], tolerance=1e-4)
+
+
+@pytest.mark.requires_tpu
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_on_a_tpu_each_stage_ends_where_the_unsharded_run_does(stage):
+    """TPUStrategy compiles every step with XLA, collectives included. Not run where tfmp is built: no TPU there."""
+    fitted = _xla_fitted_per_stage(distribute.get_strategy("tpu"), stage)
+    _assert_close(fitted["none"], fitted[stage], tolerance=1e-4)
