@@ -204,6 +204,7 @@ def test_a_tfmp_vits_blocks_are_its_units_with_or_without_remat(remat, monkeypat
     assert sorted(gathers["zero3"]) == [(6, "float32")] * 2 + [(16, "float32")] * (4 * passes * 2), gathers
 
 
+@pytest.mark.slow  # ~14 s, tracing BYOL's ViT step on 2 replicas
 def test_a_momentum_targets_blocks_are_units_of_their_own(monkeypatch):
     """BYOL on a ViT under zero3 with `units=tfmp.models.block_of`: the target's weights follow the online ones in
     units twinned with theirs — each gather holds the online weights or the target's, never both, and every block of
@@ -223,8 +224,11 @@ def test_a_momentum_targets_blocks_are_units_of_their_own(monkeypatch):
                                                   augment_config=augment.AugmentConfig(crop_scale=(0.5, 1.0), flip=False))
         model.build((None, 8, 8, 1))
         model.compile(optimizer=sharding.ShardedOptimizer(_optimizer("sgd"), stage="zero3", units=models.block_of))
-    digits = data.load("digits")
-    model.fit(data.classification_pipeline(digits.train, 32, training=True, indices=np.arange(32)), epochs=1, verbose=0)
+        model.optimizer.build(model.trainable_variables)
+    batches = strategy.experimental_distribute_dataset(
+        data.classification_pipeline(data.load("digits").train, 32, training=True, indices=np.arange(32)))
+    step = tf.function(lambda batch: strategy.run(model.train_step, args=(batch,)))
+    step.get_concrete_function(next(iter(batches)))  # traced, not run: the gathers are made as it is traced
     targets, online = model.target_weights(), model.online_target_weights()
     target_ids, online_ids = {id(weight.sharded) for weight in targets}, {id(weight.sharded) for weight in online}
     assert all(gathered <= target_ids or not gathered & target_ids for gathered in members)
