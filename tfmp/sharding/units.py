@@ -163,8 +163,7 @@ class _LayerWeights:
 def unit_of(chunks):
     """`(scope, unit key, members)` of the unit `chunks`' weight is read in — `members` as `_LayerWeights.members`,
     `scope` the layer call the unit's gathers are kept for, the key None for a unit chosen by size — or None where no
-    layer call in progress holds the weight (a read from a user's own train step) or, for a weight of a declared
-    unit, none holds the unit's weights under the outermost call."""
+    layer call is in progress (a read from a user's own train step) or, by size, none that holds the weight fits."""
     known = _LAYER_WEIGHTS.setdefault(tf.compat.v1.get_default_graph(), weakref.WeakKeyDictionary())
 
     def weights_of(layer) -> _LayerWeights:
@@ -176,17 +175,16 @@ def unit_of(chunks):
     if chunks.unit_key is not None:
         if not calls:
             return None
-        members = weights_of(calls[0][1]).of_unit(chunks.unit_key)
-        for scope, layer in reversed(calls):  # innermost first: the call that holds the unit's weights and no more
-            if members.keys() <= weights_of(layer).members.keys():
-                return scope, chunks.unit_key, members
-        return None
+        members = weights_of(calls[0][1]).of_unit(chunks.unit_key)  # the unit's weights under the outermost call
+        # Kept for the innermost call holding them all (the outermost one does): a `--remat` block's own call, so
+        # that its recomputation gathers again; else the encoder's, so that each call of it (each view) does.
+        scope = next(scope for scope, layer in reversed(calls) if members.keys() <= weights_of(layer).members.keys())
+        return scope, chunks.unit_key, members
     for scope, layer in calls:  # outermost first: the largest call that fits a bucket
         weights = weights_of(layer)
         if id(chunks) in weights.undeclared and weights.undeclared_bytes <= chunks.layout.bucket_bytes:
             return scope, None, weights.undeclared
     return None
-
 
 
 def wholes_from_gathered(gathered, members: list) -> list[tf.Tensor]:
