@@ -188,6 +188,35 @@ def test_the_units_a_user_declares_are_gathered_together_and_the_other_weights_b
     assert sorted(gathers["zero3"]) == [(2, "float32")] * 4 + [(4, "float32")] * 2, gathers
 
 
+def test_units_of_layers_not_built_yet_gather_as_declared_through_two_fits(monkeypatch):
+    """A subclassed model built lazily by fit(), its units given at compile time as layers without weights yet
+    (`[[hidden, logits]]`, resolved when fit() builds the optimizer): each replica gathers the two Dense layers' 4
+    weights in one collective and the model's own scalar by size; two fit() calls end where the unsharded ones do."""
+    made = []
+    original = units.UnitGather.__init__
+    monkeypatch.setattr(units.UnitGather, "__init__", lambda gather, members, dtype: made.append(len(members)) or
+                        original(gather, members, dtype))
+    strategy = distribute.get_strategy("mirrored")
+    images, labels = _data()
+    fitted = {}
+    for stage in ("none", "zero3"):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = ScaledModel()
+            inner = keras.optimizers.SGD(0.1, momentum=0.9)
+            optimizer = inner if stage == "none" else sharding.ShardedOptimizer(
+                inner, stage="zero3", units=[[model.hidden, model.logits]])
+            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        assert not model.hidden.weights  # nothing built yet
+        made.clear()
+        for _ in range(2):
+            model.fit(images, labels % 5, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        fitted[stage] = model
+        if stage == "zero3":  # the train step traced once (both fits), each replica: the unit, then the scalar alone
+            assert sorted(made) == [1, 1, 4, 4], made
+    _assert_close(fitted["none"], fitted["zero3"])
+
+
 @pytest.mark.parametrize("remat", ["none", "blocks"])
 def test_a_tfmp_vits_blocks_are_its_units_with_or_without_remat(remat, monkeypatch):
     """`units=tfmp.models.block_of` on a ViT classifier (4 blocks of 16 weights): each replica gathers each block in
