@@ -76,9 +76,11 @@ def test_float32_layers_flag_trains(tmp_path):
      ["mae_decoder_pixels", "mae_decoder_block0_mlp_hidden", "block3_mlp_output", "patch_embedding"]),
     ("dino", ["--prototypes=64", "--local_crops=2", "--projection_dim=16"],
      ["dino_head/dino_head_prototypes", "dino_head/dino_head_bottleneck", "block3_mlp_output", "patch_embedding"]),
-    # the teacher follows the student's sharded weights; the crops split over the replicas
-    ("dino", ["--prototypes=64", "--local_crops=2", "--projection_dim=16", "--sharding=zero3", "--strategy=mirrored"],
-     ["dino_head/dino_head_prototypes", "dino_head/dino_head_bottleneck", "block3_mlp_output", "patch_embedding"]),
+    # the teacher follows the student's sharded weights; the crops split over the replicas (~22 s: slow)
+    pytest.param("dino", ["--prototypes=64", "--local_crops=2", "--projection_dim=16", "--sharding=zero3",
+                          "--strategy=mirrored"],
+                 ["dino_head/dino_head_prototypes", "dino_head/dino_head_bottleneck", "block3_mlp_output",
+                  "patch_embedding"], marks=pytest.mark.slow),
 ])
 def test_doctor_measures_an_ssl_methods_own_step(capsys, task, flags, layers):
     """--task=<SSL method>: the report covers the method's heads or decoder, with gradients, as its step runs them."""
