@@ -19,7 +19,9 @@ statistics, which are per replica unless synchronised.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import threading
 
 import keras
@@ -110,6 +112,23 @@ class _Accumulator:
             self.counts[name]["flush"] += int(np.count_nonzero((magnitude > 0) & (magnitude < smallest)))
 
 
+class _EagerMirroredWarningFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Using MirroredStrategy eagerly" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _eager_replicas_on_purpose():
+    """TensorFlow warns that `strategy.run` outside a `tf.function` is slow and to wrap it in one; the report runs it
+    eagerly on purpose (each replica's statistics in NumPy, a few batches), so the advice is dropped while it runs."""
+    tensorflow_logger, dropped = logging.getLogger("tensorflow"), _EagerMirroredWarningFilter()
+    tensorflow_logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        tensorflow_logger.removeFilter(dropped)
+
+
 def _mean_cross_entropy(targets, logits):
     return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True))
 
@@ -176,7 +195,7 @@ def precision_report(model: keras.Model, data, steps: int = 2, loss_fn=None, bat
                     if nonzero.size:
                         all_gradients.append(nonzero.astype(np.float64))
 
-    with observed_calls(layers, capture):
+    with observed_calls(layers, capture), _eager_replicas_on_purpose():
         for step, (inputs, targets) in enumerate(data):
             if step >= steps:
                 break
