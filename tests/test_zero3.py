@@ -750,15 +750,17 @@ def test_where_no_backward_pass_keeps_a_gathered_weight_it_is_gathered_just_befo
     kernels, gathered in one collective (`units.UnitGather`) — so a replica holds about two units' copies at a time
     (the one computing, the next one gathered) instead of every one from the step's start, and computes the same.
     Measured against the same code with the waits removed, 8 units, both replicas: an inference pass 40 against
-    106 MiB, a remat step 42 against 200 MiB (gathered a weight at a time, before units: 4 MiB of 4 kernels)."""
+    80-116 MiB, a remat step 42 against 186-278 MiB (gathered a weight at a time, before units: 4 MiB of 4 kernels)."""
     strategy = distribute.get_strategy("mirrored")
     unit_mib = 2 * 1024 * 1024 * 4 / 2**20
     ordered, outputs, trained = _gathered_bytes_and_results(strategy, layers=16)
     monkeypatch.setattr(units, "gather_waits", lambda device, kept: [])
     unordered, same_outputs, same_trained = _gathered_bytes_and_results(strategy, layers=16)
     replicas = 2  # logical CPU devices share one allocator: the peaks are both replicas'
-    assert ordered["forward"] <= replicas * 3 * unit_mib and unordered["forward"] >= replicas * 5 * unit_mib, (
-        ordered, unordered)
+    # Without the waits, how far the gathers run ahead is the executor's choice: 80 to 116 MiB measured, by the CPU
+    # and the load beside the test. The control is that the same bound catches it.
+    bound = replicas * 3 * unit_mib
+    assert ordered["forward"] <= bound < unordered["forward"], (ordered, unordered)
     assert ordered["remat step"] <= unordered["remat step"] / 2, (ordered, unordered)
     np.testing.assert_allclose(outputs, same_outputs, rtol=1e-6)
     for a, b in zip(trained, same_trained):
