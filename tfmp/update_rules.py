@@ -24,8 +24,10 @@ UNSUPPORTED_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_acc
 
 def adam(weight, gradient, momentum, velocity, *, learning_rate, step, beta_1: float, beta_2: float, epsilon: float):
     """Adam (Kingma & Ba) as Keras computes it: `step` counts from 1. Returns (weight, momentum, velocity)."""
-    beta_1, beta_2 = ops.cast(beta_1, weight.dtype), ops.cast(beta_2, weight.dtype)
-    alpha = learning_rate * ops.sqrt(1 - ops.power(beta_2, step)) / (1 - ops.power(beta_1, step))
+    powers = ops.power(ops.cast(beta_2, weight.dtype), step), ops.power(ops.cast(beta_1, weight.dtype), step)
+    alpha = learning_rate * ops.sqrt(1 - powers[0]) / (1 - powers[1])
+    # `1 - beta` in Python, as Keras writes it: float32(0.1), where 1 - float32(0.9) is 2.4e-7 off and moved every
+    # step's moments a few roundings from Keras' (found on an AVX2 CPU, where 20 AdamW steps left 1.3e-6 between them).
     momentum = momentum + (gradient - momentum) * (1 - beta_1)
     velocity = velocity + (ops.square(gradient) - velocity) * (1 - beta_2)
     return weight - (momentum * alpha) / (ops.sqrt(velocity) + epsilon), momentum, velocity
