@@ -103,7 +103,10 @@ def linear_probe(train_features: np.ndarray, train_labels: np.ndarray, test_feat
 
     def compile_model(model):
         model.compile(optimizer=keras.optimizers.AdamW(learning_rate, weight_decay=weight_decay),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"], jit_compile=jit_compile,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=jit_compile,
+                      # A metric object, not "accuracy": Keras makes a named metric's variables inside the first trace
+                      # of the step under TensorFlow's default strategy, and TensorFlow then traces the step again.
+                      metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
                       steps_per_execution=min(steps, MAX_STEPS_PER_EXECUTION))  # Keras runs a shorter last execution
 
     if compiled is None:
