@@ -187,6 +187,24 @@ def test_the_optimizer_keeps_no_slots_for_the_target():
     assert len(model.optimizer.variables) == 2 + 2 * len(model.trainable_variables)  # iteration, lr, 2 Adam slots each
 
 
+def test_on_one_device_fit_creates_no_variable_inside_the_traced_step():
+    """Keras builds the optimizer inside the first trace of the step under TensorFlow's default strategy, and
+    TensorFlow then traces the step a second time (a DINO test's fit traced its step twice, 9 s each on a Zen 3); a
+    method's `compile` builds it first (`compilation.build_optimizer_before_tracing`)."""
+    model = _method("byol", tf.distribute.get_strategy())
+    model.compile(optimizer=keras.optimizers.AdamW(1e-3))
+    made_inside = []
+
+    def recording(next_creator, **kwargs):
+        if tf.inside_function():
+            made_inside.append(kwargs.get("name"))
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(recording):
+        model.fit(np.random.default_rng(0).random((16, 8, 8, 1), dtype=np.float32), batch_size=8, epochs=1, verbose=0)
+    assert made_inside == [] and int(model.optimizer.iterations.numpy()) == 2
+
+
 # Under -m slow: fp16 is TensorFlow's slow path on a CPU (BYOL and VICReg took 60-65 s each on the 2-core Xeon with
 # AMX). The default suite keeps fp16 SSL through SimCLR's planted overflow (tests/test_ssl.py).
 @pytest.mark.slow

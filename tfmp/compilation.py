@@ -1,5 +1,6 @@
 """XLA: whether tfmp compiles its steps (`--jit_compile=auto|true|false`), decided per device with a reason;
-and `CompiledOnce`, one traced training step for several trainings of one recipe.
+`CompiledOnce`, one traced training step for several trainings of one recipe; and the optimizer built before the
+first trace on one device (`build_optimizer_before_tracing`), so the step is traced once.
 
 TPUs compile every step with XLA whatever Keras is told, and Keras' own `jit_compile="auto"`
 turns XLA on by itself on a machine with one GPU and no `tf.distribute` strategy; so every
@@ -33,7 +34,7 @@ all-gather) that `merge_call` cannot enter from inside XLA. So:
 
 from __future__ import annotations
 
-from tfmp import hardware
+from tfmp import distribute, hardware
 from tfmp.config import JIT_COMPILE_CHOICES, UsageError
 
 WHOLE_STEP = "whole step"
@@ -86,6 +87,18 @@ def for_keras(jit_compile, strategy) -> bool | str:
     if jit_compile == "auto":
         return "auto"
     return scope(bool(jit_compile), strategy) == WHOLE_STEP
+
+
+def build_optimizer_before_tracing(model) -> None:
+    """Builds `model`'s compiled optimizer now if it runs under TensorFlow's default strategy (one device). There Keras
+    skips its build before tracing ("for backwards compatibility") and creates the optimizer's variables inside the
+    first trace of the training step, and TensorFlow traces a function that created variables a second time: tracing
+    paid twice (BUILD_NOTES, "Found on a Zen 3"). Under any other strategy Keras builds it before tracing itself.
+    The caller vouches that every trainable variable of `model` exists (a built model; an SSL method, whose layers
+    are built when it is made)."""
+    optimizer = model.optimizer
+    if optimizer is not None and not optimizer.built and distribute.strategy_name(model.distribute_strategy) == "off":
+        optimizer.build(model.trainable_variables)
 
 
 class CompiledOnce:

@@ -131,6 +131,7 @@ class TwoViewModel(keras.Model):
         per_replica = compilation.scope(jit_compile is True, self.distribute_strategy) == compilation.REPLICA_AUGMENTATIONS
         self._compiled_views = tf.function(self._draw_views, jit_compile=True) if per_replica else None
         super().compile(optimizer=optimizer, jit_compile=compilation.for_keras(jit_compile, self.distribute_strategy), **kwargs)
+        compilation.build_optimizer_before_tracing(self)  # the encoder and heads are built in __init__
 
     def build(self, input_shape):
         self.built = True  # the heads are built in __init__, for the encoder's feature size

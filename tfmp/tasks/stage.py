@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import models, precision, registry
+from tfmp import compilation, models, precision, registry
 from tfmp.config import Config, UsageError
 from tfmp.diagnostics import flops
 from tfmp.run_directory import RunDirectory
@@ -134,16 +134,6 @@ def resume_plan(saved: tuple[int, int], epochs: int, steps_per_epoch: int) -> li
     return plan
 
 
-def build_optimizer_before_tracing(model: keras.Model) -> None:
-    """Builds the compiled optimizer of a built `model` now, in its strategy's scope. Keras builds it before tracing
-    only for a model made under a strategy; under TensorFlow's default one (tfmp's one-device runs) it is built inside
-    the first trace of the training step, and a trace that creates variables is traced a second time."""
-    optimizer = model.optimizer
-    if optimizer is not None and not optimizer.built and model.built:
-        with model.distribute_strategy.scope():
-            optimizer.build(model.trainable_variables)
-
-
 def fit_stage(model: keras.Model, dataset: Callable[[], tf.data.Dataset], config: Config, directory: RunDirectory, *,
               global_batch_size: int,
               steps_per_epoch: int | None = None, monitors=(), extra_callbacks=(), validation_data=None, validate_every: int = 1,
@@ -178,7 +168,8 @@ def fit_stage(model: keras.Model, dataset: Callable[[], tf.data.Dataset], config
     checkpointing = callbacks.checkpointing
     fit_callbacks = [throughput, *callbacks, *extra_callbacks]
     tfmp_callbacks.check_order(fit_callbacks)
-    build_optimizer_before_tracing(model)
+    if model.built:  # a lazily built model's weights are not all there to build the optimizer for
+        compilation.build_optimizer_before_tracing(model)
     resumed = None
     for epochs, steps, first_step in resume_plan(checkpointing.saved_progress(), config.epochs,
                                                  steps_per_epoch or int(dataset().cardinality())):
