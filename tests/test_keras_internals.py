@@ -1,5 +1,6 @@
 """The private Keras / TensorFlow hooks tfmp relies on exist in the installed versions (tfmp/keras_internals.py)."""
 
+import functools
 import logging
 
 import keras
@@ -29,7 +30,8 @@ def test_the_installed_keras_is_a_checked_release_or_warns_once(caplog, monkeypa
 PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.core")
 
 
-def _keras_private_names() -> set[str]:
+@functools.cache  # the same for every call; made once (in a test process holding many models, 5 calls took 66 s)
+def _keras_private_names() -> frozenset[str]:
     """Private attribute names of the Keras and TensorFlow objects tfmp's code holds or subclasses."""
     import tensorflow as tf
 
@@ -40,8 +42,8 @@ def _keras_private_names() -> set[str]:
     model.compile(optimizer=optimizer, loss="mse")
     objects = [model, *model.layers, optimizer, optimizer.inner_optimizer, keras.optimizers.AdamW(), keras.callbacks.Callback(),
                keras.callbacks.TensorBoard(), keras.metrics.Mean(), tf.distribute.get_strategy(), tf.Variable(1.0), tf.train.Checkpoint()]
-    return {name for thing in objects for kind in (thing, type(thing)) for name in dir(kind)
-            if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))}
+    return frozenset(name for thing in objects for kind in (thing, type(thing)) for name in dir(kind)
+                     if name.startswith("_") and not (name.startswith("__") and name.endswith("__")))
 
 
 def _tfmp_own_private_names(trees) -> set[str]:
@@ -66,6 +68,13 @@ def _on_self(node) -> bool:
     return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
 
 
+@functools.cache  # each test plants into the same sources: parsed once (read-only trees)
+def _parsed(source: str):
+    import ast
+
+    return ast.parse(source)
+
+
 def private_accesses(sources: dict[str, str]) -> list[str]:
     """Where the given modules (name -> source) touch a private Keras / TensorFlow name: an attribute
     `._name` read of any object but `self` / `cls` (whose type cannot be told from the source, so
@@ -74,7 +83,7 @@ def private_accesses(sources: dict[str, str]) -> list[str]:
     `__internal__`; an import from Keras' or TF's private packages."""
     import ast
 
-    trees = {name: ast.parse(source) for name, source in sources.items()}
+    trees = {name: _parsed(source) for name, source in sources.items()}
     keras_private = _keras_private_names()
     own = _tfmp_own_private_names(trees.values()) - keras_private
     found = []
